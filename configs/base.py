@@ -1,0 +1,55 @@
+"""Paper defaults (PAPER.md): ResNet-50, kn=256 with n=32, the recipe of Goyal et al. 2017.
+
+Every other config starts from this one and overrides a few fields; the names follow
+DESIGN.md (`batch_size` is kn, `bn_group_size` is n).
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    # Model (rules 10-12).
+    c.model = "resnet50"
+    c.num_classes = 1000
+    c.image_size = 224
+    c.channels = 3
+    c.width = 16  # first-stage channels of the CIFAR-style family only
+    c.zero_init_residual = True  # rule 10
+    c.dtype = "float32"
+
+    # Minibatch geometry (rules 7, 9, 15).
+    c.batch_size = 256  # kn
+    c.bn_group_size = 32  # n
+    c.accum_steps = 1
+    c.bn_momentum = 0.9
+    c.bn_epsilon = 1e-5
+    c.bn_sync = False  # True: Flax-example global-batch BN (ablation only)
+
+    # Learning-rate schedule (rules 1-3).
+    c.base_lr = 0.1
+    c.base_batch_size = 256
+    c.lr_scaling = "linear"  # linear | sqrt | none
+    c.warmup = "gradual"  # gradual | constant | none; only when batch_size > base_batch_size
+    c.warmup_epochs = 5.0
+    c.lr_decay = "step"  # step | cosine
+    c.decay_epochs = (30.0, 60.0, 80.0)
+    c.decay_factor = 0.1
+    c.num_epochs = 90.0
+
+    # Optimizer (rules 4-6).
+    c.optimizer = "sgd"  # sgd | lars
+    c.momentum = 0.9
+    c.nesterov = True
+    c.weight_decay = 1e-4
+    c.decay_batchnorm = False
+    c.decay_bias = False
+    c.update_form = "optax"  # optax | caffe2
+    c.momentum_correction = True  # used by update_form='caffe2'
+    c.lars_trust_coefficient = 0.001
+
+    # Engine.
+    c.parallelism = "shard_map"  # shard_map | pmap
+    return c

@@ -1,0 +1,139 @@
+"""Learning-rate schedule of the paper: rules 1-3 of PAPER.md.
+
+The schedule is a function of the *iteration* (one SGD update of kn images), so every
+boundary given in epochs is converted to iterations once, here, with the run's
+`steps_per_epoch`. Fractional epochs are allowed (small-scale runs scale 5/90, 30/90, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+LR_SCALING_RULES = ("linear", "sqrt", "none")
+WARMUP_KINDS = ("gradual", "constant", "none")
+DECAY_KINDS = ("step", "cosine")
+
+
+def _check_choice(field: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{field}={value!r} is not one of {', '.join(map(repr, choices))}.")
+
+
+def scaled_learning_rate(
+    base_lr: float, base_batch_size: int, batch_size: int, rule: str = "linear"
+) -> float:
+    """Paper rule 1, the linear scaling rule: eta = base_lr * kn / base_batch_size.
+
+    `rule='sqrt'` (eta * sqrt(kn / 256)) and `rule='none'` (eta unchanged) are the
+    alternatives of the paper's Table 2a.
+    """
+    _check_choice("lr_scaling", rule, LR_SCALING_RULES)
+    if base_lr <= 0:
+        raise ValueError(f"base_lr={base_lr} must be > 0.")
+    if base_batch_size <= 0 or batch_size <= 0:
+        raise ValueError(
+            f"base_batch_size={base_batch_size} and batch_size={batch_size} must be > 0."
+        )
+    ratio = batch_size / base_batch_size
+    if rule == "linear":
+        return base_lr * ratio
+    if rule == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    return base_lr
+
+
+def epochs_to_steps(epochs: float, steps_per_epoch: int) -> int:
+    """An epoch boundary as an iteration count (rounded: fractional epochs are allowed)."""
+    return int(round(epochs * steps_per_epoch))
+
+
+def warmup_schedule(
+    start_lr: float, peak_lr: float, warmup_steps: int, kind: str
+) -> optax.Schedule:
+    """Paper rule 2, gradual warmup (and its constant / none variants of Table 1).
+
+    gradual:  lr(t) = start + (peak - start) * t / T_w for t < T_w, per *iteration*;
+    constant: lr(t) = start for t < T_w, then the peak;
+    none:     the peak from step 0.
+    Returns the rate for t < T_w; from T_w on the caller's decay schedule takes over.
+    """
+    _check_choice("warmup", kind, WARMUP_KINDS)
+
+    def schedule(step):
+        t = jnp.asarray(step, jnp.float32)
+        if kind == "gradual" and warmup_steps > 0:
+            return start_lr + (peak_lr - start_lr) * t / warmup_steps
+        if kind == "constant":
+            return jnp.full_like(t, start_lr)
+        return jnp.full_like(t, peak_lr)
+
+    return schedule
+
+
+def decay_schedule(
+    peak_lr: float,
+    kind: str,
+    boundaries: Sequence[int],
+    factor: float,
+    start_step: int,
+    total_steps: int,
+) -> optax.Schedule:
+    """Paper rule 3, step decay: multiply by `factor` (0.1) at each boundary iteration.
+
+    `kind='cosine'` (not in the paper; for comparison with modern recipes) decays from
+    the peak at `start_step` (end of warmup) to 0 at `total_steps`.
+    """
+    _check_choice("lr_decay", kind, DECAY_KINDS)
+    bounds = jnp.asarray(sorted(boundaries), jnp.float32)
+
+    def schedule(step):
+        t = jnp.asarray(step, jnp.float32)
+        if kind == "step":
+            passed = jnp.sum(t[..., None] >= bounds, axis=-1)
+            return peak_lr * jnp.power(jnp.float32(factor), passed)
+        span = max(total_steps - start_step, 1)
+        frac = jnp.clip((t - start_step) / span, 0.0, 1.0)
+        return peak_lr * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+
+    return schedule
+
+
+def create_learning_rate_schedule(config: Any, steps_per_epoch: int) -> optax.Schedule:
+    """The paper's schedule from config fields: scaling (rule 1), warmup (2), decay (3).
+
+    Reads `base_lr`, `base_batch_size`, `batch_size`, `lr_scaling`, `warmup`,
+    `warmup_epochs`, `lr_decay`, `decay_epochs`, `decay_factor`, `num_epochs`.
+    Warmup applies only when batch_size > base_batch_size (PAPER.md item 2): the baseline
+    and smaller minibatches start at their own rate.
+    """
+    if steps_per_epoch <= 0:
+        raise ValueError(f"steps_per_epoch={steps_per_epoch} must be > 0.")
+    peak = scaled_learning_rate(
+        config.base_lr, config.base_batch_size, config.batch_size, config.lr_scaling
+    )
+    _check_choice("warmup", config.warmup, WARMUP_KINDS)
+    if config.warmup_epochs < 0:
+        raise ValueError(f"warmup_epochs={config.warmup_epochs} must be >= 0.")
+    warms = config.batch_size > config.base_batch_size and config.warmup != "none"
+    warmup_steps = epochs_to_steps(config.warmup_epochs, steps_per_epoch) if warms else 0
+    total_steps = epochs_to_steps(config.num_epochs, steps_per_epoch)
+    boundaries = [epochs_to_steps(e, steps_per_epoch) for e in config.decay_epochs]
+    if any(b > total_steps for b in boundaries):
+        raise ValueError(
+            f"decay_epochs={tuple(config.decay_epochs)} go past num_epochs={config.num_epochs}."
+        )
+    warm = warmup_schedule(config.base_lr, peak, warmup_steps, config.warmup)
+    decay = decay_schedule(
+        peak, config.lr_decay, boundaries, config.decay_factor, warmup_steps, total_steps
+    )
+
+    def schedule(step):
+        t = jnp.asarray(step)
+        return jnp.where(t < warmup_steps, warm(t), decay(t))
+
+    return schedule

@@ -1,0 +1,183 @@
+"""The per-device train and eval steps (one paper worker's view of an SGD update).
+
+A device holds `accum_steps * micro_batch` images of the global minibatch kn. For each
+micro-step it runs the model with BatchNorm over groups of n, takes the mean
+cross-entropy and its gradient; the gradients are averaged over micro-steps and then
+`lax.pmean`-ed over devices, which is exactly the gradient of the loss averaged over all
+kn images (paper Remark 3). See DESIGN.md, "The step, per device".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+
+from largebatch_jax.models import create_model
+from largebatch_jax.parallel import AXIS
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything an SGD update changes; a plain pytree (checkpointable as is)."""
+
+    step: jax.Array
+    params: Any
+    batch_stats: Any
+    opt_state: Any
+
+
+def create_train_state(
+    rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation, image_shape: tuple
+) -> TrainState:
+    """Initialise parameters (the paper's init lives in the model), BN statistics
+    (mean 0, var 1) and the optimizer state, on the host's default device."""
+
+    @jax.jit
+    def init(rng):
+        variables = model.init(rng, jnp.zeros((1, *image_shape), jnp.float32), train=False)
+        params = variables["params"]
+        return TrainState(
+            step=jnp.zeros([], jnp.int32),
+            params=params,
+            batch_stats=variables["batch_stats"],
+            opt_state=tx.init(params),
+        )
+
+    return init(rng)
+
+
+def mean_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Paper Remark 3: the loss is normalised by the number of images it sums over.
+
+    Per micro-batch mean here; the mean over micro-steps and devices (all of equal size)
+    then normalises by the whole minibatch kn.
+    """
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def topk_errors(logits: jax.Array, labels: jax.Array, k: int) -> jax.Array:
+    """1.0 where the label is not among the k highest logits, per example."""
+    k = min(k, logits.shape[-1])
+    _, top = jax.lax.top_k(logits, k)
+    return 1.0 - jnp.any(top == labels[:, None], axis=-1).astype(jnp.float32)
+
+
+def _varying(tree: Any) -> Any:
+    """Mark a fresh value as differing per device (the scan carry of per-device sums)."""
+    return jax.tree.map(lambda x: jax.lax.pcast(x, AXIS, to="varying"), tree)
+
+
+def make_train_step(
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    learning_rate_fn: optax.Schedule,
+    accum_steps: int = 1,
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """The per-device SGD update; map it over devices with `DataParallel.map`.
+
+    batch: {'image': [accum_steps * micro, H, W, C], 'label': [accum_steps * micro]}.
+    Returns the new state (identical on every device) and metrics averaged over kn.
+    """
+
+    def loss_fn(params, batch_stats, images, labels):
+        logits, updated = model.apply(
+            {"params": params, "batch_stats": batch_stats},
+            images,
+            train=True,
+            mutable=["batch_stats"],
+        )
+        return mean_cross_entropy(logits, labels), (logits, updated["batch_stats"])
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        images, labels = batch["image"], batch["label"]
+        if images.shape[0] % accum_steps:
+            raise ValueError(
+                f"accum_steps={accum_steps} does not divide the per-device batch "
+                f"{images.shape[0]}."
+            )
+        micro = images.shape[0] // accum_steps
+        images = images.reshape(accum_steps, micro, *images.shape[1:])
+        labels = labels.reshape(accum_steps, micro)
+
+        def micro_step(sums, xy):
+            x, y = xy
+            # Every micro-step starts from the same BN statistics: each group is one
+            # worker's update of the old running averages, later averaged (DESIGN.md 4).
+            (loss, (logits, stats)), grads = grad_fn(state.params, state.batch_stats, x, y)
+            new = (grads, stats, loss, topk_errors(logits, y, 1).mean())
+            return jax.tree.map(jnp.add, sums, new), None
+
+        zeros = jax.tree.map(
+            jnp.zeros_like, (state.params, state.batch_stats, jnp.float32(0), jnp.float32(0))
+        )
+        sums, _ = jax.lax.scan(micro_step, _varying(zeros), (images, labels))
+        grads, batch_stats, loss, error = jax.lax.pmean(
+            jax.tree.map(lambda s: s / accum_steps, sums), AXIS
+        )
+
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new_state = state.replace(
+            step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state
+        )
+        metrics = {
+            "train_loss": loss,
+            "train_error": error,
+            "learning_rate": jnp.asarray(learning_rate_fn(state.step), jnp.float32),
+            "grad_norm": optax.global_norm(grads),
+            "param_norm": optax.global_norm(params),
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(model: nn.Module) -> Callable[[TrainState, dict], dict]:
+    """Per-device evaluation with the running BN statistics.
+
+    batch: {'image', 'label', 'mask'}; padded examples have mask 0. Returns sums over all
+    devices (`count`, `loss_sum`, `top1_errors`, `top5_errors`) so that the host can add
+    batches and divide once: every real image counts exactly once.
+    """
+
+    def eval_step(state: TrainState, batch: dict) -> dict:
+        logits = model.apply(
+            {"params": state.params, "batch_stats": state.batch_stats},
+            batch["image"],
+            train=False,
+        )
+        labels, mask = batch["label"], batch["mask"].astype(jnp.float32)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        sums = {
+            "count": jnp.sum(mask),
+            "loss_sum": jnp.sum(loss * mask),
+            "top1_errors": jnp.sum(topk_errors(logits, labels, 1) * mask),
+            "top5_errors": jnp.sum(topk_errors(logits, labels, 5) * mask),
+        }
+        return jax.lax.psum(sums, AXIS)
+
+    return eval_step
+
+
+def model_from_config(config: Any) -> nn.Module:
+    """The model named by the config, with per-worker BN of `bn_group_size` (rule 9), or
+    BN synchronised over all devices when `bn_sync` (the Flax-example ablation)."""
+    return create_model(
+        config.model,
+        config.num_classes,
+        config.bn_group_size,
+        config.zero_init_residual,
+        config.dtype,
+        width=config.width,
+        bn_momentum=config.bn_momentum,
+        bn_epsilon=config.bn_epsilon,
+        bn_axis_name=AXIS if config.bn_sync else None,
+    )
