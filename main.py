@@ -34,8 +34,13 @@ def main(argv):
     logging.info(
         "devices=%d processes=%d kn=%d n=%d k=%d accum=%d micro-batch/device=%d "
         "peak lr=%.4g steps/epoch=%d",
-        engine.num_devices, jax.process_count(), config.batch_size, config.bn_group_size,
-        config.batch_size // config.bn_group_size, config.accum_steps, micro,
+        engine.num_devices,
+        jax.process_count(),
+        config.batch_size,
+        config.bn_group_size,
+        config.batch_size // config.bn_group_size,
+        config.accum_steps,
+        micro,
         schedules.scaled_learning_rate(
             config.base_lr, config.base_batch_size, config.batch_size, config.lr_scaling
         ),
@@ -44,20 +49,26 @@ def main(argv):
     state = engine.replicate(
         train.create_train_state(jax.random.key(config.seed), model, tx, image_shape)
     )
-    step = engine.map(train.make_train_step(model, tx, lr_fn, config.accum_steps),
-                      donate_state=True)
+    step = engine.map(
+        train.make_train_step(model, tx, lr_fn, config.accum_steps), donate_state=True
+    )
     rng = np.random.default_rng(config.seed)
     local = config.batch_size // jax.process_count()
-    batch = engine.shard_batch({
-        "image": rng.normal(size=(local, *image_shape)).astype(np.float32),
-        "label": rng.integers(0, config.num_classes, size=(local,)).astype(np.int32),
-    })
+    batch = engine.shard_batch(
+        {
+            "image": rng.normal(size=(local, *image_shape)).astype(np.float32),
+            "label": rng.integers(0, config.num_classes, size=(local,)).astype(np.int32),
+        }
+    )
     for _ in range(config.get("demo_steps", 10)):
         state, metrics = step(state, batch)
         m = jax.device_get(metrics)
-        print(f"step {int(state.step):3d}  lr {m['learning_rate']:.4f}  "
-              f"loss {m['train_loss']:.4f}  error {m['train_error']:.3f}  "
-              f"grad_norm {m['grad_norm']:.3f}", flush=True)
+        print(
+            f"step {int(state.step):3d}  lr {m['learning_rate']:.4f}  "
+            f"loss {m['train_loss']:.4f}  error {m['train_error']:.3f}  "
+            f"grad_norm {m['grad_norm']:.3f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

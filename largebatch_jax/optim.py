@@ -23,9 +23,7 @@ UPDATE_FORMS = ("optax", "caffe2")
 OPTIMIZERS = ("sgd", "lars")
 
 
-def weight_decay_mask(
-    params: Any, decay_batchnorm: bool = False, decay_bias: bool = False
-) -> Any:
+def weight_decay_mask(params: Any, decay_batchnorm: bool = False, decay_bias: bool = False) -> Any:
     """Paper rule 4: weight decay on conv/dense kernels only, not on BatchNorm gamma/beta.
 
     A BatchNorm layer is recognised by its `scale` parameter; a `bias` beside a `scale`

@@ -100,8 +100,7 @@ class DataParallel:
             x = np.asarray(x)
             if self.parallelism == "pmap":
                 x = x.reshape(self.num_local_devices, -1, *x.shape[1:])
-            global_shape = (x.shape[0] * self.num_devices // self.num_local_devices,
-                            *x.shape[1:])
+            global_shape = (x.shape[0] * self.num_devices // self.num_local_devices, *x.shape[1:])
             return jax.make_array_from_process_local_data(self.sharded, x, global_shape)
 
         return jax.tree.map(put, local_batch)

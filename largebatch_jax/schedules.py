@@ -49,7 +49,7 @@ def scaled_learning_rate(
 
 def epochs_to_steps(epochs: float, steps_per_epoch: int) -> int:
     """An epoch boundary as an iteration count (rounded: fractional epochs are allowed)."""
-    return int(round(epochs * steps_per_epoch))
+    return round(float(epochs) * steps_per_epoch)
 
 
 def warmup_schedule(

@@ -100,8 +100,7 @@ def make_train_step(
         images, labels = batch["image"], batch["label"]
         if images.shape[0] % accum_steps:
             raise ValueError(
-                f"accum_steps={accum_steps} does not divide the per-device batch "
-                f"{images.shape[0]}."
+                f"accum_steps={accum_steps} does not divide the per-device batch {images.shape[0]}."
             )
         micro = images.shape[0] // accum_steps
         images = images.reshape(accum_steps, micro, *images.shape[1:])

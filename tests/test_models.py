@@ -26,8 +26,13 @@ def flat(tree):
 # torchvision's counts for the same architectures (v1.5 has the same parameters as v1).
 @pytest.mark.parametrize(
     "name,params",
-    [("resnet18", 11_689_512), ("resnet34", 21_797_672), ("resnet50", 25_557_032),
-     ("resnet101", 44_549_160), ("resnet152", 60_192_808)],
+    [
+        ("resnet18", 11_689_512),
+        ("resnet34", 21_797_672),
+        ("resnet50", 25_557_032),
+        ("resnet101", 44_549_160),
+        ("resnet152", 60_192_808),
+    ],
 )
 def test_imagenet_parameter_counts(name, params):
     model = create_model(name, 1000, 32)
@@ -101,7 +106,10 @@ def conv_shapes(name, size):
     def run():
         variables = model.init(jax.random.key(0), x, train=False)
         _, state = model.apply(
-            variables, x, train=False, capture_intermediates=lambda m, _: "conv" in (m.name or ""),
+            variables,
+            x,
+            train=False,
+            capture_intermediates=lambda m, _: "conv" in (m.name or ""),
             mutable=["intermediates"],
         )
         return state["intermediates"]
@@ -123,9 +131,11 @@ def test_v15_stride_on_the_3x3():
 def test_cifar_family_depth_and_widths(depth):
     width = 16
     model = create_model(f"resnet{depth}", 10, 4, width=width)
-    params = flat(jax.eval_shape(
-        lambda: model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)
-    )["params"])
+    params = flat(
+        jax.eval_shape(
+            lambda: model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)
+        )["params"]
+    )
     convs = [k for k in params if k.endswith("kernel") and "proj" not in k]
     # depth = weighted layers on the main path: 6n + 1 convs and the classifier.
     assert len(convs) == depth
@@ -147,8 +157,11 @@ def test_forward_shapes_and_dtype():
 
 @pytest.mark.parametrize(
     "kwargs,field",
-    [({"name": "resnet51"}, "model"), ({"dtype": "float8"}, "dtype"),
-     ({"num_classes": 0}, "num_classes")],
+    [
+        ({"name": "resnet51"}, "model"),
+        ({"dtype": "float8"}, "dtype"),
+        ({"num_classes": 0}, "num_classes"),
+    ],
 )
 def test_bad_values_name_the_field(kwargs, field):
     args = {"name": "resnet20", "num_classes": 10, "bn_group_size": 4, **kwargs}

@@ -107,6 +107,7 @@ def max_rel_diff(a, b):
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_remark2_caffe2_form_with_correction_equals_optax_form(params, nesterov):
     """Through a gradual warmup (0.1 -> 3.2 over 10 steps) and a x0.1 decay at step 15."""
+
     def lr(t):
         return jnp.where(t < 10, 0.1 + (3.2 - 0.1) * t / 10, jnp.where(t < 15, 3.2, 0.32))
 
@@ -115,7 +116,8 @@ def test_remark2_caffe2_form_with_correction_equals_optax_form(params, nesterov)
     corrected = run(optim.create_optimizer(lr, update_form="caffe2", **kw), params, 20)
     plain = run(
         optim.create_optimizer(lr, update_form="caffe2", momentum_correction=False, **kw),
-        params, 20,
+        params,
+        20,
     )
     for t in range(20):
         assert max_rel_diff(corrected[t], ref[t]) < 1e-5, t
@@ -143,8 +145,12 @@ def test_lars_option_steps_and_skips_bn(params):
 
 @pytest.mark.parametrize(
     "kwargs,field",
-    [({"update_form": "torch"}, "update_form"), ({"optimizer": "adam"}, "optimizer"),
-     ({"momentum": 1.0}, "momentum"), ({"weight_decay": -1.0}, "weight_decay")],
+    [
+        ({"update_form": "torch"}, "update_form"),
+        ({"optimizer": "adam"}, "optimizer"),
+        ({"momentum": 1.0}, "momentum"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+    ],
 )
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

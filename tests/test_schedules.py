@@ -52,8 +52,23 @@ def paper_lr(t, kn, spe, warmup="gradual"):
 def test_paper_formulas(kn, warmup):
     spe = IMAGENET_TRAIN // kn
     tw = 5 * spe
-    steps = [0, 1, tw // 3, tw // 2, tw - 1, tw, tw + 1, 30 * spe - 1, 30 * spe, 45 * spe,
-             60 * spe - 1, 60 * spe, 80 * spe - 1, 80 * spe, 90 * spe - 1]
+    steps = [
+        0,
+        1,
+        tw // 3,
+        tw // 2,
+        tw - 1,
+        tw,
+        tw + 1,
+        30 * spe - 1,
+        30 * spe,
+        45 * spe,
+        60 * spe - 1,
+        60 * spe,
+        80 * spe - 1,
+        80 * spe,
+        90 * spe - 1,
+    ]
     got = values(config(kn, warmup=warmup), spe, steps)
     expected = [paper_lr(t, kn, spe, warmup) for t in steps]
     np.testing.assert_allclose(got, expected, rtol=2e-6)
@@ -80,8 +95,12 @@ def test_warmup_is_per_iteration_not_per_epoch():
 def test_cosine_decay_after_warmup():
     spe = 100
     got = values(config(8192, lr_decay="cosine"), spe, [500, 500 + 4250, 9000, 9500])
-    expected = [3.2, 3.2 * 0.5 * (1 + math.cos(math.pi * 0.5)), 3.2 * 0.5 * (1 + math.cos(
-        math.pi * 8500 / 8500)), 0.0]
+    expected = [
+        3.2,
+        3.2 * 0.5 * (1 + math.cos(math.pi * 0.5)),
+        3.2 * 0.5 * (1 + math.cos(math.pi * 8500 / 8500)),
+        0.0,
+    ]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -102,8 +121,18 @@ def test_fractional_epochs_are_iterations():
     spe = 7
     got = values(cfg, spe, [0, 6, 7, 41, 42, 83, 84, 111, 112, 125])
     peak = 0.8
-    expected = [0.1, 0.1 + (peak - 0.1) * 6 / 7, peak, peak, peak / 10, peak / 10,
-                peak / 100, peak / 100, peak / 1000, peak / 1000]
+    expected = [
+        0.1,
+        0.1 + (peak - 0.1) * 6 / 7,
+        peak,
+        peak,
+        peak / 10,
+        peak / 10,
+        peak / 100,
+        peak / 100,
+        peak / 1000,
+        peak / 1000,
+    ]
     np.testing.assert_allclose(got, expected, rtol=2e-6)
     half = config(2048, warmup_epochs=0.5)  # 3.5 iterations round to 4
     np.testing.assert_allclose(values(half, spe, [3, 4]), [0.1 + 0.7 * 3 / 4, 0.8], rtol=2e-6)
@@ -111,8 +140,13 @@ def test_fractional_epochs_are_iterations():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("warmup", "linear"), ("lr_scaling", "square"), ("lr_decay", "poly"),
-     ("warmup_epochs", -1.0), ("decay_epochs", (30.0, 100.0))],
+    [
+        ("warmup", "linear"),
+        ("lr_scaling", "square"),
+        ("lr_decay", "poly"),
+        ("warmup_epochs", -1.0),
+        ("decay_epochs", (30.0, 100.0)),
+    ],
 )
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -81,9 +81,7 @@ class BatchNorm(nn.Module):
         ra_var = self.variable("batch_stats", "var", jnp.ones, (features,), jnp.float32)
 
         if use_running_average:
-            y = (x.astype(jnp.float32) - ra_mean.value) * jax.lax.rsqrt(
-                ra_var.value + self.epsilon
-            )
+            y = (x.astype(jnp.float32) - ra_mean.value) * jax.lax.rsqrt(ra_var.value + self.epsilon)
             return (y * scale + bias).astype(self.dtype)
 
         if self.axis_name is not None:

@@ -152,8 +152,9 @@ class ResNet(_Layers):
             dtype=self.dtype,
             zero_init_residual=self.zero_init_residual,
         )
-        for i, (blocks, features) in enumerate(zip(self.stage_sizes, self.stage_features,
-                                                   strict=True)):
+        for i, (blocks, features) in enumerate(
+            zip(self.stage_sizes, self.stage_features, strict=True)
+        ):
             for j in range(blocks):
                 strides = 2 if i > 0 and j == 0 else 1
                 x = block(features=features, strides=strides, name=f"stage{i + 1}_block{j + 1}")(
