@@ -106,11 +106,16 @@ def make_train_step(
         images = images.reshape(accum_steps, micro, *images.shape[1:])
         labels = labels.reshape(accum_steps, micro)
 
+        # Differentiate a per-device copy of the parameters: the gradient is then this
+        # device's own, and the explicit pmean below is the only reduction. (Taken w.r.t.
+        # the replicated value, shard_map would psum it implicitly.)
+        local_params = _varying(state.params)
+
         def micro_step(sums, xy):
             x, y = xy
             # Every micro-step starts from the same BN statistics: each group is one
             # worker's update of the old running averages, later averaged (DESIGN.md 4).
-            (loss, (logits, stats)), grads = grad_fn(state.params, state.batch_stats, x, y)
+            (loss, (logits, stats)), grads = grad_fn(local_params, state.batch_stats, x, y)
             new = (grads, stats, loss, topk_errors(logits, y, 1).mean())
             return jax.tree.map(jnp.add, sums, new), None
 
@@ -131,8 +136,8 @@ def make_train_step(
             "train_loss": loss,
             "train_error": error,
             "learning_rate": jnp.asarray(learning_rate_fn(state.step), jnp.float32),
-            "grad_norm": optax.global_norm(grads),
-            "param_norm": optax.global_norm(params),
+            "grad_norm": optax.tree.norm(grads),
+            "param_norm": optax.tree.norm(params),
         }
         return new_state, metrics
 

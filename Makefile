@@ -1,0 +1,25 @@
+# Two entry points for a fresh machine: `make demo` (install + run the main job) and
+# `make test` (install + lint + the test suite on 8 fake CPU devices).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install demo test lint
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+demo: install
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python main.py --config=configs/smoke.py
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest -q

@@ -1,0 +1,204 @@
+"""The data-parallel step: the update depends on kn and n only, never on the hardware.
+
+This is the project's core promise (DESIGN.md): one SGD update of kn=32 images in BN
+groups of n=4 gives the same parameters, BN statistics and metrics whether it runs on
+8 devices x 4 images, 4 x 8, 1 x 32, or 2 devices x 2 accumulation steps x 8.
+"""
+
+import functools
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from largebatch_jax import optim, parallel, schedules, train
+from largebatch_jax.models import create_model
+
+KN, N, CLASSES, SIZE = 32, 4, 10, 8
+RNG = np.random.default_rng(0)
+BATCHES = [
+    {
+        "image": RNG.normal(size=(KN, SIZE, SIZE, 1)).astype(np.float32),
+        "label": RNG.integers(0, CLASSES, size=KN).astype(np.int32),
+    }
+    for _ in range(3)
+]
+SCHEDULE_CONFIG = ml_collections.ConfigDict(
+    dict(
+        base_lr=0.1,
+        base_batch_size=16,
+        batch_size=KN,
+        lr_scaling="linear",
+        warmup="gradual",
+        warmup_epochs=0.5,
+        lr_decay="step",
+        decay_epochs=(1.0,),
+        decay_factor=0.1,
+        num_epochs=2.0,
+    )
+)
+LR_FN = schedules.create_learning_rate_schedule(SCHEDULE_CONFIG, steps_per_epoch=4)
+TX = optim.create_optimizer(LR_FN, weight_decay=1e-4)
+
+
+def model(bn_group_size=N, bn_sync=False):
+    # gamma 1 everywhere so that the very first update reaches every layer.
+    return create_model(
+        "resnet8",
+        CLASSES,
+        bn_group_size,
+        zero_init_residual=False,
+        width=4,
+        bn_axis_name=parallel.AXIS if bn_sync else None,
+    )
+
+
+@functools.cache
+def initial_state():
+    state = train.create_train_state(jax.random.key(0), model(), TX, (SIZE, SIZE, 1))
+    return jax.device_get(state)  # host copy: every run replicates (and donates) its own
+
+
+@functools.cache
+def run(devices, accum_steps, parallelism="shard_map", bn_group_size=N, bn_sync=False, steps=2):
+    engine = parallel.DataParallel(parallel.create_mesh(jax.devices()[:devices]), parallelism)
+    parallel.micro_batch_size(KN, devices, accum_steps, bn_group_size)
+    net = model(bn_group_size, bn_sync)
+    step = engine.map(train.make_train_step(net, TX, LR_FN, accum_steps), donate_state=True)
+    state = engine.replicate(initial_state())
+    history = []
+    for batch in BATCHES[:steps]:
+        state, metrics = step(state, engine.shard_batch(batch))
+        history.append(jax.device_get(metrics))
+    return jax.device_get(state), history
+
+
+def assert_trees_close(a, b, rtol=1e-4, atol=1e-6):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+def max_rel_diff(a, b):
+    return max(
+        float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-12))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    "devices,accum_steps",
+    [(4, 1), (1, 1), (2, 2)],
+    ids=["4dev_x_8img", "1dev_x_32img", "2dev_x_2accum_x_8img"],
+)
+def test_update_depends_on_kn_and_n_not_on_devices(devices, accum_steps):
+    ref_state, ref_metrics = run(8, 1)  # 8 devices x 4 images
+    state, metrics = run(devices, accum_steps)
+    assert int(state.step) == 2
+    assert_trees_close(state.params, ref_state.params)
+    assert_trees_close(state.batch_stats, ref_state.batch_stats)
+    assert_trees_close(state.opt_state, ref_state.opt_state)
+    assert_trees_close(metrics, ref_metrics)
+    # ... and the update did move everything (the comparison is not vacuous).
+    assert max_rel_diff(ref_state.params, initial_state().params) > 1e-3
+    assert max_rel_diff(ref_state.batch_stats, initial_state().batch_stats) > 1e-2
+
+
+def test_per_worker_bn_differs_from_global_batch_bn():
+    per_worker, _ = run(8, 1)
+    synced, _ = run(8, 1, bn_sync=True)
+    assert max_rel_diff(per_worker.params, synced.params) > 1e-3
+    assert max_rel_diff(per_worker.batch_stats, synced.batch_stats) > 1e-2
+    # Synced BN over 8 x 4 images is BN over one group of all 32 (the Flax example).
+    one_group, _ = run(1, 1, bn_group_size=KN)
+    assert_trees_close(synced.params, one_group.params)
+    assert_trees_close(synced.batch_stats, one_group.batch_stats)
+
+
+def test_shard_map_and_pmap_give_the_same_update():
+    a, ma = run(8, 1, "shard_map", steps=3)
+    b, mb = run(8, 1, "pmap", steps=3)
+    assert_trees_close(a.params, b.params, rtol=1e-6, atol=1e-7)
+    assert_trees_close(a.batch_stats, b.batch_stats, rtol=1e-6, atol=1e-7)
+    assert_trees_close(ma, mb, rtol=1e-6, atol=1e-7)
+    assert int(b.step) == 3
+
+
+def test_metrics_are_the_whole_minibatch_ones():
+    _, history = run(8, 1)
+    first = history[0]
+    np.testing.assert_allclose(first["learning_rate"], float(LR_FN(0)), rtol=1e-7)
+    np.testing.assert_allclose(history[1]["learning_rate"], float(LR_FN(1)), rtol=1e-7)
+    # Remark 3: the loss is the mean over all kn images; recompute it on one device.
+    net = model()
+    state = initial_state()
+    images, labels = BATCHES[0]["image"], BATCHES[0]["label"]
+
+    @jax.jit
+    def loss_and_grads(params):
+        def loss_fn(p):
+            logits, _ = net.apply(
+                {"params": p, "batch_stats": state.batch_stats},
+                images,
+                train=True,
+                mutable=["batch_stats"],
+            )
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), logits
+
+        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+    (loss, logits), grads = loss_and_grads(state.params)
+    np.testing.assert_allclose(first["train_loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(
+        first["train_error"], np.mean(np.argmax(logits, -1) != labels), rtol=1e-6
+    )
+    # The averaged gradient is the mean over kn (not a sum over devices).
+    np.testing.assert_allclose(first["grad_norm"], optax.tree.norm(grads), rtol=1e-4)
+
+
+def test_eval_counts_every_real_image_once():
+    engine = parallel.DataParallel(parallel.create_mesh(), "shard_map")
+    net = model()
+    state = engine.replicate(initial_state())
+    eval_step = engine.map(train.make_eval_step(net))
+    batch = dict(BATCHES[0], mask=(np.arange(KN) < 27).astype(np.float32))  # 5 padded
+    sums = jax.device_get(eval_step(state, engine.shard_batch(batch)))
+    host = initial_state()
+    logits = net.apply(
+        {"params": host.params, "batch_stats": host.batch_stats},
+        BATCHES[0]["image"][:27],
+        train=False,
+    )
+    labels = BATCHES[0]["label"][:27]
+    assert sums["count"] == 27
+    np.testing.assert_allclose(
+        sums["loss_sum"],
+        optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum(),
+        rtol=1e-5,
+    )
+    assert sums["top1_errors"] == np.sum(np.argmax(logits, -1) != labels)
+    top5 = np.argsort(-np.asarray(logits), axis=-1)[:, :5]
+    assert sums["top5_errors"] == np.sum(~np.any(top5 == labels[:, None], axis=-1))
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((30, 8, 1, 2), r"batch_size=30 is not divisible by devices x accum_steps = 8 x 1"),
+        (
+            (64, 8, 2, 3),
+            r"batch_size=64 is not divisible by devices x accum_steps x "
+            r"bn_group_size = 8 x 2 x 3",
+        ),
+        ((32, 8, 1, 8), r"bn_group_size=8 is larger than the per-device micro-batch 4"),
+        ((32, 8, 0, 4), r"accum_steps=0 must be a positive integer"),
+    ],
+)
+def test_bad_geometry_names_the_field_and_numbers(args, message):
+    with pytest.raises(ValueError, match=message):
+        parallel.micro_batch_size(*args)
+
+
+def test_bad_parallelism():
+    with pytest.raises(ValueError, match="parallelism='pjit'"):
+        parallel.DataParallel(parallel.create_mesh(), "pjit")
