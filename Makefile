@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test lint
+.PHONY: install data demo test lint
 
 install: $(VENV)/.installed
 
@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
+data:
+	bash scripts/install_fashion_mnist.sh
+
 demo: install
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python main.py --config=configs/smoke.py
 
@@ -21,5 +24,5 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+test: lint data
 	$(BIN)/python -m pytest -q

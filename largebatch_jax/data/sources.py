@@ -1,0 +1,334 @@
+"""Datasets as random-access sources: the real tfds builders, prepared as array_record.
+
+Supported: `imagenet2012` (from a manual_dir with the two ILSVRC2012 tars; nothing is
+downloaded), `fashion_mnist` (tfds's download, or the same IDX files installed locally,
+e.g. by Debian's `dataset-fashion-mnist`), `cifar10` (tfds's download) and
+`image_folder/<name>` (a user's `root/{train,val}/<class>/*.jpg`, converted once).
+A source is indexable: `source[i] -> {'image': encoded bytes or uint8 array, 'label': int}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_IDX_DIR = "/usr/share/datasets/fashion-mnist"
+IMAGENET_MEAN = (123.675, 116.28, 103.53)
+IMAGENET_STD = (58.395, 57.12, 57.375)
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """What the loader and transforms need to know about a dataset."""
+
+    name: str
+    num_classes: int
+    train_split: str
+    eval_split: str
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    large_images: bool  # ImageNet-style crops (True) or small fixed-size images (False)
+    native_size: int | None = None
+
+
+SPECS = {
+    "imagenet2012": DatasetSpec(
+        "imagenet2012", 1000, "train", "validation", IMAGENET_MEAN, IMAGENET_STD, True
+    ),
+    "fashion_mnist": DatasetSpec(
+        "fashion_mnist", 10, "train", "test", (72.94,), (90.02,), False, 28
+    ),
+    "cifar10": DatasetSpec(
+        "cifar10",
+        10,
+        "train",
+        "test",
+        (125.31, 122.95, 113.87),
+        (62.99, 62.09, 66.70),
+        False,
+        32,
+    ),
+}
+FOLDER_PREFIX = "image_folder/"
+
+
+class DatasetNotPreparedError(Exception):
+    """Raised with one line: which dataset, where we looked, the command that prepares it."""
+
+
+def default_data_dir() -> str:
+    return os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
+
+
+def prepare_command(name: str, data_dir: str) -> str:
+    extra = {
+        "imagenet2012": " --manual_dir=DIR_WITH_ILSVRC2012_TARS",
+        "fashion_mnist": f" --idx_dir={DEFAULT_IDX_DIR}",
+    }.get(name, "")
+    if name.startswith(FOLDER_PREFIX):
+        name, extra = "image_folder", f" --name={name[len(FOLDER_PREFIX) :]} --root=ROOT"
+    return f"python -m largebatch_jax.data.prepare {name} --data_dir={data_dir}{extra}"
+
+
+def _folder_dir(name: str, data_dir: str) -> Path:
+    return Path(data_dir) / "image_folder" / name[len(FOLDER_PREFIX) :]
+
+
+def _builder(name: str, data_dir: str) -> Any:
+    """The prepared tfds builder, or DatasetNotPreparedError."""
+    import tensorflow_datasets as tfds
+
+    if name.startswith(FOLDER_PREFIX):
+        versions = sorted(_folder_dir(name, data_dir).glob("*/dataset_info.json"))
+        if versions:
+            return tfds.builder_from_directory(str(versions[-1].parent))
+    elif name in SPECS:
+        builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
+        if builder.is_prepared():
+            return builder
+    else:
+        raise ValueError(f"dataset={name!r} is not one of {(*SPECS, FOLDER_PREFIX + '<name>')}.")
+    raise DatasetNotPreparedError(
+        f"dataset {name!r} is not prepared in {data_dir}: run `{prepare_command(name, data_dir)}`"
+    )
+
+
+def dataset_spec(name: str, data_dir: str | None = None) -> DatasetSpec:
+    """The spec of a named dataset (an image folder's is read from its prepared info)."""
+    if name in SPECS:
+        return SPECS[name]
+    builder = _builder(name, data_dir or default_data_dir())
+    return DatasetSpec(
+        name,
+        builder.info.features["label"].num_classes,
+        "train",
+        "validation",
+        IMAGENET_MEAN,
+        IMAGENET_STD,
+        True,
+    )
+
+
+class InMemorySource:
+    """A small dataset decoded once into memory (Fashion-MNIST, CIFAR-10): the training
+    loop then spends no time decoding 28x28 PNGs every epoch."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray):
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"image": self.images[i], "label": int(self.labels[i])}
+
+
+class EncodedSource:
+    """An array_record source whose images stay encoded (decoded, cropped, by transforms)."""
+
+    def __init__(self, source: Any):
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> dict:
+        record = self.source[int(i)]
+        return {"image": record["image"], "label": int(record["label"])}
+
+
+def load_source(name: str, split: str, data_dir: str | None = None) -> Any:
+    """A random-access source over one split of a prepared dataset."""
+    import tensorflow_datasets as tfds
+
+    data_dir = data_dir or default_data_dir()
+    builder = _builder(name, data_dir)
+    if split not in builder.info.splits:
+        raise DatasetNotPreparedError(
+            f"dataset {name!r} in {data_dir} has no split {split!r} "
+            f"(it has {sorted(builder.info.splits)})"
+        )
+    source = builder.as_data_source(split=split, decoders={"image": tfds.decode.SkipDecoding()})
+    if name in SPECS and not SPECS[name].large_images:
+        return InMemorySource(*_decode_all(source))
+    return EncodedSource(source)
+
+
+def _decode_all(source: Any) -> tuple[np.ndarray, np.ndarray]:
+    import io
+    from concurrent.futures import ThreadPoolExecutor
+
+    from PIL import Image
+
+    def decode(start: int) -> list:
+        chunk = source.__getitems__(list(range(start, min(start + 4096, len(source)))))
+        return [(np.asarray(Image.open(io.BytesIO(r["image"]))), r["label"]) for r in chunk]
+
+    with ThreadPoolExecutor(os.cpu_count()) as pool:  # PIL releases the GIL to decode
+        pairs = [p for chunk in pool.map(decode, range(0, len(source), 4096)) for p in chunk]
+    images = np.stack([image for image, _ in pairs])
+    if images.ndim == 3:
+        images = images[..., None]
+    return images, np.asarray([label for _, label in pairs], np.int32)
+
+
+# ----------------------------------------------------------------------------- preparing
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """An IDX file (as distributed by MNIST / Fashion-MNIST), gzipped or not."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    ndim = data[3]
+    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def _idx_files(idx_dir: str) -> dict[str, Path]:
+    names = {
+        "train_images": "train-images-idx3-ubyte",
+        "train_labels": "train-labels-idx1-ubyte",
+        "test_images": "t10k-images-idx3-ubyte",
+        "test_labels": "t10k-labels-idx1-ubyte",
+    }
+    found = {}
+    for key, stem in names.items():
+        for candidate in (Path(idx_dir) / f"{stem}.gz", Path(idx_dir) / stem):
+            if candidate.exists():
+                found[key] = candidate
+                break
+        else:
+            raise DatasetNotPreparedError(
+                f"dataset 'fashion_mnist': {stem}[.gz] not found in {idx_dir} "
+                "(install Debian's dataset-fashion-mnist or pass --idx_dir)"
+            )
+    return found
+
+
+def _local_fashion_mnist_builder(idx_dir: str, data_dir: str) -> Any:
+    """tfds's own FashionMNIST builder, fed from local IDX files instead of its URLs:
+    the same features, splits and examples in the same order, written where
+    `tfds.builder('fashion_mnist')` reads them."""
+    import tensorflow_datasets as tfds
+    from tensorflow_datasets.image_classification import mnist
+
+    files = _idx_files(idx_dir)
+
+    class LocalFashionMNIST(mnist.FashionMNIST, skip_registration=True):
+        name = "fashion_mnist"
+
+        def _split_generators(self, dl_manager):
+            del dl_manager
+            return [
+                tfds.core.SplitGenerator(name=split, gen_kwargs={"split": split})
+                for split in ("train", "test")
+            ]
+
+        def _generate_examples(self, split):
+            images = read_idx(files[f"{split}_images"])[..., None]
+            labels = read_idx(files[f"{split}_labels"])
+            for index, (image, label) in enumerate(zip(images, labels, strict=True)):
+                yield index, {"image": image, "label": int(label)}
+
+    return LocalFashionMNIST(data_dir=data_dir, file_format="array_record")
+
+
+def _image_folder_builder(root: str, name: str, data_dir: str) -> Any:
+    """A tfds builder over root/{train,val}/<class>/*: class ids from the sorted names."""
+    import tensorflow_datasets as tfds
+
+    root_path = Path(root)
+    split_dirs = {"train": root_path / "train", "validation": root_path / "val"}
+    if not split_dirs["train"].is_dir():
+        raise DatasetNotPreparedError(f"image folder {root}: no train/ sub-folder of classes")
+    classes = sorted(p.name for p in split_dirs["train"].iterdir() if p.is_dir())
+
+    class ImageFolder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+        VERSION = tfds.core.Version("1.0.0")
+        BUILDER_CONFIGS: Sequence[Any] = [tfds.core.BuilderConfig(name=name)]
+
+        def _info(self):
+            return self.dataset_info_from_configs(
+                features=tfds.features.FeaturesDict(
+                    {
+                        "image": tfds.features.Image(encoding_format="jpeg"),
+                        "label": tfds.features.ClassLabel(names=classes),
+                        "file_name": tfds.features.Text(),
+                    }
+                ),
+                supervised_keys=("image", "label"),
+            )
+
+        def _split_generators(self, dl_manager):
+            del dl_manager
+            return {
+                split: self._generate_examples(path)
+                for split, path in split_dirs.items()
+                if path.is_dir()
+            }
+
+        def _generate_examples(self, path):
+            for label, cls in enumerate(classes):
+                for f in sorted((path / cls).glob("*")):
+                    if f.is_file():
+                        yield (
+                            f"{cls}/{f.name}",
+                            {
+                                "image": str(f),
+                                "label": label,
+                                "file_name": f.name,
+                            },
+                        )
+
+    ImageFolder.name = "image_folder"
+    return ImageFolder(data_dir=data_dir, config=name, file_format="array_record")
+
+
+def prepare(
+    name: str,
+    data_dir: str | None = None,
+    *,
+    manual_dir: str | None = None,
+    idx_dir: str | None = None,
+    root: str | None = None,
+) -> str:
+    """Prepare a dataset as array_record under data_dir; returns where it went."""
+    import tensorflow_datasets as tfds
+
+    data_dir = data_dir or default_data_dir()
+    if name == "imagenet2012":
+        if not manual_dir:
+            raise DatasetNotPreparedError(
+                "imagenet2012 needs --manual_dir holding ILSVRC2012_img_train.tar and "
+                "ILSVRC2012_img_val.tar"
+            )
+        tars = [Path(manual_dir) / f"ILSVRC2012_img_{s}.tar" for s in ("train", "val")]
+        if not any(t.is_file() for t in tars):
+            raise DatasetNotPreparedError(
+                f"imagenet2012: neither {tars[0].name} nor {tars[1].name} is in {manual_dir}"
+            )
+        builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
+        config = tfds.download.DownloadConfig(manual_dir=manual_dir)
+        builder.download_and_prepare(download_config=config)
+    elif name == "fashion_mnist" and (idx_dir or Path(DEFAULT_IDX_DIR).is_dir()):
+        builder = _local_fashion_mnist_builder(idx_dir or DEFAULT_IDX_DIR, data_dir)
+        builder.download_and_prepare()
+    elif name in ("fashion_mnist", "cifar10"):
+        builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
+        builder.download_and_prepare()
+    elif name.startswith(FOLDER_PREFIX) or name == "image_folder":
+        if not root:
+            raise DatasetNotPreparedError("image_folder needs --root (with train/ and val/)")
+        short = name[len(FOLDER_PREFIX) :] if name.startswith(FOLDER_PREFIX) else Path(root).name
+        builder = _image_folder_builder(root, short, data_dir)
+        builder.download_and_prepare()
+    else:
+        raise ValueError(f"dataset={name!r} is not one of {(*SPECS, 'image_folder')}.")
+    return str(builder.data_dir)

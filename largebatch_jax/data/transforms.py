@@ -1,0 +1,182 @@
+"""Paper rule 13: train and eval transforms, on the host in numpy / PIL.
+
+Every random draw comes from `example_rng(seed, epoch, index)`, so an image's
+augmentation depends only on the run's seed, the epoch and the image, never on how many
+processes or decoding workers there are.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from PIL import Image
+
+# fb.resnet.torch's lighting noise (PCA of ImageNet RGB, pixel values in [0, 1]).
+PCA_EIGVAL = np.array([0.2175, 0.0188, 0.0045])
+PCA_EIGVEC = np.array(
+    [[-0.5675, 0.7192, 0.4009], [-0.5808, -0.0045, -0.8140], [-0.5836, -0.6948, 0.4203]]
+)
+EVAL_RESIZE_RATIO = 256 / 224
+
+
+def example_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The random stream of one image in one epoch (independent of worker layout)."""
+    return np.random.default_rng([seed, epoch, index])
+
+
+def sample_crop_window(
+    rng: np.random.Generator,
+    height: int,
+    width: int,
+    area_range: tuple[float, float] = (0.08, 1.0),
+    ratio_range: tuple[float, float] = (3 / 4, 4 / 3),
+    attempts: int = 10,
+) -> tuple[int, int, int, int]:
+    """Paper rule 13, random-size crop: a window of 8%-100% of the image area with aspect
+    ratio (w/h) in [3/4, 4/3] (uniform, as fb.resnet.torch), 10 tries, then the
+    centre crop of the largest window with an allowed ratio. Returns (top, left, h, w)."""
+    area = height * width
+    for _ in range(attempts):
+        target = rng.uniform(*area_range) * area
+        ratio = rng.uniform(*ratio_range)
+        w = round(math.sqrt(target * ratio))
+        h = round(math.sqrt(target / ratio))
+        if 0 < w <= width and 0 < h <= height:
+            return int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1)), h, w
+    ratio = width / height
+    if ratio < ratio_range[0]:
+        w, h = width, min(height, round(width / ratio_range[0]))
+    elif ratio > ratio_range[1]:
+        h, w = height, min(width, round(height * ratio_range[1]))
+    else:
+        h, w = height, width
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _open(encoded: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(encoded))
+
+
+def decode_crop_resize(
+    encoded: bytes | np.ndarray,
+    window_fn,
+    size: int,
+) -> np.ndarray:
+    """Decode an image, crop the window `window_fn(h, w)` picks, resize to size x size.
+
+    For JPEGs, PIL's draft mode decodes at the smallest power-of-2 reduction that still
+    leaves the crop at least `size` pixels a side, so a small crop of a large photo never
+    pays for a full-resolution decode.
+    """
+    if isinstance(encoded, np.ndarray):
+        image = Image.fromarray(encoded.squeeze(-1) if encoded.shape[-1] == 1 else encoded)
+        full_w, full_h = image.size
+        top, left, h, w = window_fn(full_h, full_w)
+        scale = 1.0
+    else:
+        image = _open(encoded)
+        full_w, full_h = image.size
+        top, left, h, w = window_fn(full_h, full_w)
+        if image.format == "JPEG":
+            reduce = max(1, min(h, w) // size)
+            image.draft("RGB", (max(1, full_w // reduce), max(1, full_h // reduce)))
+        scale = image.size[0] / full_w
+    image = image.convert("RGB") if image.mode not in ("RGB", "L") else image
+    box = (left * scale, top * scale, (left + w) * scale, (top + h) * scale)
+    out = image.resize((size, size), Image.BILINEAR, box=box)
+    array = np.asarray(out)
+    return array[..., None] if array.ndim == 2 else array
+
+
+def normalize(image: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """Per-channel mean/std normalisation (rule 13), to float32."""
+    return (image.astype(np.float32) - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+
+
+def color_jitter(rng: np.random.Generator, image: np.ndarray, strength: float = 0.4) -> np.ndarray:
+    """fb.resnet.torch's colour jitter (not in the paper; off by default): brightness,
+    contrast and saturation, each by a factor in [1-s, 1+s], in random order. Input and
+    output float32 in [0, 255]."""
+    gray = image @ np.array([0.299, 0.587, 0.114], np.float32)
+    for op in rng.permutation(3):
+        alpha = np.float32(1.0 + rng.uniform(-strength, strength))
+        if op == 0:  # brightness: blend with black
+            image = image * alpha
+        elif op == 1:  # contrast: blend with the mean grey level
+            image = image * alpha + (1 - alpha) * gray.mean()
+        else:  # saturation: blend with the grey image
+            image = image * alpha + (1 - alpha) * gray[..., None]
+        gray = image @ np.array([0.299, 0.587, 0.114], np.float32)
+    return image
+
+
+def pca_lighting(rng: np.random.Generator, image: np.ndarray, alpha_std: float = 0.1) -> np.ndarray:
+    """AlexNet / fb.resnet.torch PCA lighting noise (not in the paper; off by default)."""
+    alpha = rng.normal(0.0, alpha_std, 3)
+    shift = PCA_EIGVEC @ (alpha * PCA_EIGVAL) * 255.0
+    return image + shift.astype(np.float32)
+
+
+def train_transform_large(
+    encoded: bytes | np.ndarray,
+    rng: np.random.Generator,
+    size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    color_augment: bool = False,
+) -> np.ndarray:
+    """Rule 13 for ImageNet-style data: random-size crop to size x size, horizontal flip
+    with probability 1/2, per-channel normalisation; optional colour jitter + lighting."""
+    image = decode_crop_resize(encoded, lambda h, w: sample_crop_window(rng, h, w), size)
+    if rng.random() < 0.5:
+        image = image[:, ::-1]
+    image = image.astype(np.float32)
+    if color_augment:
+        image = pca_lighting(rng, color_jitter(rng, image))
+    return normalize(image, mean, std)
+
+
+def center_window(height: int, width: int, size: int) -> tuple[int, int, int, int]:
+    """The window that 'resize the shorter side to size * 256/224, centre crop size'
+    selects, in original-image coordinates."""
+    crop = round(min(height, width) * size / round(size * EVAL_RESIZE_RATIO))
+    return (height - crop) // 2, (width - crop) // 2, crop, crop
+
+
+def eval_transform_large(
+    encoded: bytes | np.ndarray, size: int, mean: Sequence[float], std: Sequence[float]
+) -> np.ndarray:
+    """Rule 13 evaluation: shorter side to 256 (for size 224), centre crop 224."""
+    image = decode_crop_resize(encoded, lambda h, w: center_window(h, w, size), size)
+    return normalize(image, mean, std)
+
+
+def small_image_transform(
+    image: np.ndarray,
+    rng: np.random.Generator | None,
+    size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    pad_crop: int = 0,
+    flip: bool = False,
+) -> np.ndarray:
+    """Small fixed-size images (CIFAR, Fashion-MNIST): optional downscale to `size` by box
+    averaging (e.g. 28 -> 14), then the CIFAR recipe when asked (zero-pad `pad_crop`,
+    random crop back, flip). `rng=None` is evaluation: no randomness."""
+    if image.shape[0] != size:
+        factor = image.shape[0] // size
+        if factor * size != image.shape[0]:
+            raise ValueError(f"image_size={size} must divide the native size {image.shape[0]}.")
+        image = image.reshape(size, factor, size, factor, -1).mean(axis=(1, 3))
+    image = image.astype(np.float32)
+    if rng is not None:
+        if pad_crop:
+            padded = np.pad(image, ((pad_crop, pad_crop), (pad_crop, pad_crop), (0, 0)))
+            top, left = rng.integers(0, 2 * pad_crop + 1, size=2)
+            image = padded[top : top + size, left : left + size]
+        if flip and rng.random() < 0.5:
+            image = image[:, ::-1]
+    return normalize(image, mean, std)

@@ -1,0 +1,374 @@
+"""Input pipeline: Remark 4 (global shuffle split among processes), rule 13 (transforms),
+exact evaluation, resumable state, and the real tfds builders (ImageNet, Fashion-MNIST)."""
+
+import io
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from largebatch_jax import parallel, train
+from largebatch_jax.data import loader, sources, transforms
+from largebatch_jax.models import create_model
+
+# ----------------------------------------------------------------------- Remark 4
+
+
+def epoch_indices(n, kn, seed, epoch, processes):
+    spe = loader.steps_per_epoch(n, kn)
+    return [
+        np.concatenate(
+            [
+                loader.train_step_indices(epoch * spe + s, n, kn, seed, p, processes)[1]
+                for s in range(spe)
+            ]
+        )
+        for p in range(processes)
+    ]
+
+
+def test_one_epoch_covers_the_training_set_once_across_processes():
+    n, kn = 1000, 64  # 15 steps, 40 images dropped
+    p0, p1 = epoch_indices(n, kn, seed=0, epoch=0, processes=2)
+    assert len(p0) == len(p1) == 15 * 32
+    assert not set(p0) & set(p1)  # disjoint
+    union = np.concatenate([p0, p1])
+    assert len(np.unique(union)) == 15 * 64  # no repeats
+    dropped = set(range(n)) - set(union)
+    assert len(dropped) == 40
+    # Exactly the epoch's permutation minus its tail, cut into global batches of kn.
+    perm = loader.epoch_permutation(n, 0, 0)
+    assert dropped == set(perm[15 * 64 :])
+    _, step3 = loader.train_step_indices(3, n, kn, 0, 1, 2)
+    np.testing.assert_array_equal(step3, perm[3 * 64 + 32 : 4 * 64])
+
+
+def test_epochs_reshuffle_and_seeds_repeat():
+    n, kn = 1000, 100
+    (e0,) = epoch_indices(n, kn, seed=3, epoch=0, processes=1)
+    (e1,) = epoch_indices(n, kn, seed=3, epoch=1, processes=1)
+    (again,) = epoch_indices(n, kn, seed=3, epoch=0, processes=1)
+    (other,) = epoch_indices(n, kn, seed=4, epoch=0, processes=1)
+    assert sorted(e0) == sorted(e1) == list(range(n))
+    assert np.mean(e0 == e1) < 0.05
+    np.testing.assert_array_equal(e0, again)
+    assert np.mean(e0 == other) < 0.05
+
+
+def test_process_layout_does_not_change_the_global_batch():
+    """1, 2 and 4 processes read the same global batch, each its contiguous share."""
+    n, kn = 500, 32
+    for step in (0, 7, 20):
+        whole = loader.train_step_indices(step, n, kn, 1)[1]
+        for processes in (2, 4):
+            shares = [
+                loader.train_step_indices(step, n, kn, 1, p, processes)[1] for p in range(processes)
+            ]
+            np.testing.assert_array_equal(np.concatenate(shares), whole)
+
+
+def small_source(n=200, size=8):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(n, size, size, 1), dtype=np.uint8)
+    return sources.InMemorySource(images, (np.arange(n) % 10).astype(np.int32))
+
+
+SMALL_SPEC = sources.DatasetSpec("small", 10, "train", "test", (128.0,), (64.0,), False, 8)
+
+
+def test_loader_batches_follow_the_indices_and_resume_exactly():
+    src = small_source()
+    aug = loader.Augmentation(SMALL_SPEC, 8, pad_crop=2, flip=True)
+    make = lambda: loader.TrainLoader(src, aug, 32, seed=5, num_steps=20)  # noqa: E731
+    straight = [next(it) for it in [make()] for _ in range(12)]
+    for step, batch in enumerate(straight):
+        _, expected = loader.train_step_indices(step, 200, 32, 5)
+        np.testing.assert_array_equal(batch["index"], expected)
+        np.testing.assert_array_equal(batch["label"], expected % 10)
+        assert batch["image"].shape == (32, 8, 8, 1) and batch["image"].dtype == np.float32
+    first = make()
+    for _ in range(7):
+        next(first)
+    state = first.get_state()
+    assert state["step"] == 7
+    resumed = make()
+    resumed.set_state(state)
+    for step in range(7, 12):
+        batch = next(resumed)
+        np.testing.assert_array_equal(batch["index"], straight[step]["index"])
+        np.testing.assert_array_equal(batch["image"], straight[step]["image"])  # same crops
+    other = loader.TrainLoader(src, aug, 32, seed=6, num_steps=20)
+    with pytest.raises(ValueError, match=r"seed=5.*seed=6"):
+        other.set_state(state)
+
+
+@pytest.mark.slow
+def test_worker_processes_give_the_same_batches():
+    src = small_source()
+    aug = loader.Augmentation(SMALL_SPEC, 8, pad_crop=2, flip=True)
+    a = loader.TrainLoader(src, aug, 32, seed=1, num_steps=8)
+    b = loader.TrainLoader(src, aug, 32, seed=1, num_steps=8, workers=2)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x["index"], y["index"])
+        np.testing.assert_array_equal(x["image"], y["image"])
+
+
+def test_eval_pads_and_masks_every_example_exactly_once():
+    src = small_source(n=50)
+    aug = loader.Augmentation(SMALL_SPEC, 8)
+    seen = []
+    for p in range(2):
+        for batch in loader.eval_batches(src, aug, 16, process_index=p, process_count=2):
+            assert batch["image"].shape == (8, 8, 8, 1)
+            seen.append(batch)
+    masks = np.concatenate([b["mask"] for b in seen])
+    assert masks.sum() == 50 and len(masks) == 64  # 4 global batches of 16, 14 padded
+    labels = np.concatenate([b["label"] for b in seen])[masks == 1]
+    np.testing.assert_array_equal(np.sort(labels), np.sort(np.arange(50) % 10))
+
+
+# ----------------------------------------------------------------------- rule 13
+
+
+def test_crop_windows_stay_in_the_paper_ranges():
+    rng = np.random.default_rng(0)
+    areas, ratios = [], []
+    for _ in range(4000):
+        top, left, h, w = transforms.sample_crop_window(rng, 375, 500)
+        assert top >= 0 and top + h <= 375 and left >= 0 and left + w <= 500
+        areas.append(h * w / (375 * 500))
+        ratios.append(w / h)
+    areas, ratios = np.array(areas), np.array(ratios)
+    # Rounding to whole pixels moves the limits by a hair.
+    assert areas.min() >= 0.08 * 0.98 and areas.max() <= 1.0
+    assert ratios.min() >= 0.75 * 0.99 and ratios.max() <= 4 / 3 * 1.01
+    assert areas.min() < 0.1 and areas.max() > 0.9  # the range is really used
+    assert ratios.min() < 0.78 and ratios.max() > 1.3
+
+
+def test_crop_fallback_is_central():
+    # A 10:1 panorama: no window with ratio <= 4/3 and area >= 8% fits in 10 tries
+    # with area near 100%; force the fallback with an impossible area range.
+    rng = np.random.default_rng(0)
+    window = transforms.sample_crop_window(rng, 100, 1000, area_range=(2.0, 2.0))
+    assert window == (0, (1000 - 133) // 2, 100, 133)
+
+
+def test_eval_crop_is_centred_and_sized():
+    assert transforms.center_window(375, 500, 224) == ((375 - 328) // 2, (500 - 328) // 2, 328, 328)
+    image = np.zeros((375, 500, 3), np.uint8)
+    image[:, 250:] = 255  # right half white: the centre crop is half white
+    out = transforms.eval_transform_large(jpeg(image), 224, (0, 0, 0), (1, 1, 1))
+    assert out.shape == (224, 224, 3)
+    assert out[:, :100].mean() < 10 and out[:, 124:].mean() > 245
+
+
+def jpeg(array, quality=95):
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def test_flip_happens_about_half_the_time_and_only_from_the_seed():
+    image = np.zeros((120, 160, 3), np.uint8)
+    image[:, :80] = 255  # left half white
+    encoded = jpeg(image)
+    flips = []
+    for i in range(400):
+        out = transforms.train_transform_large(
+            encoded, transforms.example_rng(0, 0, i), 32, (0, 0, 0), (1, 1, 1)
+        )
+        again = transforms.train_transform_large(
+            encoded, transforms.example_rng(0, 0, i), 32, (0, 0, 0), (1, 1, 1)
+        )
+        np.testing.assert_array_equal(out, again)
+        left, right = out[:, :4].mean(), out[:, -4:].mean()
+        if abs(left - right) > 100:
+            flips.append(right > left)
+    assert len(flips) > 150
+    assert 0.4 < np.mean(flips) < 0.6
+
+
+def test_draft_decode_matches_full_decode():
+    rng = np.random.default_rng(0)
+    smooth = np.kron(rng.integers(0, 255, (24, 32, 3)), np.ones((16, 16, 1))).astype(np.uint8)
+    encoded = jpeg(smooth)  # 384 x 512
+
+    def window(h, w):
+        return (10, 20, 200, 240)
+
+    fast = transforms.decode_crop_resize(encoded, window, 64).astype(float)
+    full = np.asarray(
+        Image.open(io.BytesIO(encoded))
+        .convert("RGB")
+        .resize((64, 64), Image.BILINEAR, box=(20, 10, 260, 210))
+    ).astype(float)
+    assert np.abs(fast - full).mean() < 6  # draft decodes at 1/2 scale: close, not equal
+
+
+def test_colour_augment_switch():
+    image = (np.random.default_rng(0).random((40, 40, 3)) * 255).astype(np.uint8)
+    spec = sources.SPECS["imagenet2012"]
+    plain = loader.Augmentation(spec, 32)
+    colour = loader.Augmentation(spec, 32, color_augment=True)
+    a = plain.train(jpeg(image), transforms.example_rng(0, 0, 0))
+    b = colour.train(jpeg(image), transforms.example_rng(0, 0, 0))
+    assert a.shape == b.shape == (32, 32, 3)
+    assert np.abs(a - b).mean() > 0.01
+
+
+# ----------------------------------------------------------------------- sources
+
+
+def test_missing_dataset_is_one_line_with_the_command(tmp_path):
+    with pytest.raises(sources.DatasetNotPreparedError) as e:
+        sources.load_source("imagenet2012", "train", str(tmp_path))
+    message = str(e.value)
+    assert "\n" not in message
+    assert "imagenet2012" in message and str(tmp_path) in message
+    assert "python -m largebatch_jax.data.prepare imagenet2012" in message
+
+
+def test_prepare_cli_bad_input_exits_2_with_one_line(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "largebatch_jax.data.prepare",
+            "imagenet2012",
+            f"--data_dir={tmp_path}",
+            f"--manual_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "ILSVRC2012_img_train.tar" in lines[0], result.stderr[-500:]
+
+
+SYNSETS = ["n01440764", "n01443537", "n01484850"]  # the first three of the 1000 classes
+COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
+
+
+def make_imagenet_tars(manual_dir: Path, per_class=4, val=11):
+    """ILSVRC2012-shaped tars: a train tar of per-class tars, a flat val tar."""
+    rng = np.random.default_rng(0)
+    inner = {}
+    for c, synset in enumerate(SYNSETS):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as t:
+            for i in range(per_class):
+                h, w = [(375, 500), (500, 375), (333, 500), (480, 640)][i % 4]
+                image = np.clip(np.array(COLOURS[c]) + rng.normal(0, 3, (h, w, 3)), 0, 255)
+                add(t, f"{synset}_{i}.JPEG", jpeg(image.astype(np.uint8)))
+        inner[f"{synset}.tar"] = buf.getvalue()
+    with tarfile.open(manual_dir / "ILSVRC2012_img_train.tar", "w") as t:
+        for name, data in inner.items():
+            add(t, name, data)
+    with tarfile.open(manual_dir / "ILSVRC2012_img_val.tar", "w") as t:
+        for i in range(1, val + 1):
+            add(t, f"ILSVRC2012_val_{i:08d}.JPEG", jpeg(np.full((300, 400, 3), 128, np.uint8)))
+
+
+def add(tar, name, data):
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.fixture(scope="module")
+def tiny_imagenet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("imagenet")
+    make_imagenet_tars(root)
+    data_dir = str(root / "tfds")
+    sources.prepare("imagenet2012", data_dir, manual_dir=str(root))
+    return data_dir
+
+
+@pytest.mark.slow
+def test_real_imagenet_builder_and_loader(tiny_imagenet):
+    train_src = sources.load_source("imagenet2012", "train", tiny_imagenet)
+    val_src = sources.load_source("imagenet2012", "validation", tiny_imagenet)
+    assert len(train_src) == 12 and len(val_src) == 11
+    spec = sources.SPECS["imagenet2012"]
+    aug = loader.default_augmentation(spec, 64)
+    batches = list(loader.TrainLoader(train_src, aug, 4, seed=0, num_steps=3))
+    assert len(batches) == 3
+    for batch in batches:
+        assert batch["image"].shape == (4, 64, 64, 3) and batch["image"].dtype == np.float32
+        for image, label in zip(batch["image"], batch["label"], strict=True):
+            # Solid class colours: the label is right and the normalisation is rule 13's.
+            expected = (np.array(COLOURS[label]) - spec.mean) / spec.std
+            np.testing.assert_allclose(image.mean(axis=(0, 1)), expected, atol=0.1)
+    labels = sorted(int(b) for batch in batches for b in batch["label"])
+    assert labels == [0] * 4 + [1] * 4 + [2] * 4  # one epoch: every image once
+    # Validation labels come from the builder's own label file, by file name.
+    from tensorflow_datasets.datasets import imagenet2012
+
+    folder = Path(imagenet2012.__file__).parent
+    synsets = (folder / "labels.txt").read_text().split()
+    val_synsets = (folder / "validation_labels.txt").read_text().split()
+    for i in range(len(val_src)):
+        name = val_src.source[i]["file_name"]
+        name = name.decode() if isinstance(name, bytes) else name
+        number = int(name.split("_")[-1].split(".")[0])
+        assert val_src[i]["label"] == synsets.index(val_synsets[number - 1])
+
+
+@pytest.mark.slow
+def test_imagenet_eval_counts_each_image_once_on_8_devices(tiny_imagenet):
+    val_src = sources.load_source("imagenet2012", "validation", tiny_imagenet)
+    aug = loader.default_augmentation(sources.SPECS["imagenet2012"], 32)
+    engine = parallel.DataParallel(parallel.create_mesh(), "shard_map")
+    model = create_model("resnet8", 1000, 1, width=4)
+    import optax
+
+    tx = optax.sgd(0.1)
+    state = engine.replicate(train.create_train_state(jax.random.key(0), model, tx, (32, 32, 3)))
+    eval_step = engine.map(train.make_eval_step(model))
+    total = {"count": 0.0, "top1_errors": 0.0}
+    batches = list(loader.eval_batches(val_src, aug, 8))  # 11 images, batches of 8
+    assert len(batches) == 2
+    for batch in batches:
+        sums = jax.device_get(eval_step(state, engine.shard_batch(batch)))
+        for key in total:
+            total[key] += float(sums[key])
+    assert total["count"] == 11
+    assert 0 <= total["top1_errors"] <= 11
+
+
+# ----------------------------------------------------------------------- Fashion-MNIST
+
+
+@pytest.mark.slow
+def test_fashion_mnist_from_local_idx_files(tmp_path):
+    idx_dir = Path(sources.DEFAULT_IDX_DIR)
+    if not (idx_dir / "train-images-idx3-ubyte.gz").exists():
+        pytest.skip(
+            f"no Fashion-MNIST IDX files in {idx_dir} (apt-get install "
+            "dataset-fashion-mnist) and no network for tfds's download"
+        )
+    sources.prepare("fashion_mnist", str(tmp_path))
+    train_src = sources.load_source("fashion_mnist", "train", str(tmp_path))
+    test_src = sources.load_source("fashion_mnist", "test", str(tmp_path))
+    assert len(train_src) == 60_000 and len(test_src) == 10_000
+    # The same examples as the IDX files (tfds stores them in its own shuffled order).
+    idx_images = sources.read_idx(idx_dir / "t10k-images-idx3-ubyte.gz")
+    idx_labels = sources.read_idx(idx_dir / "t10k-labels-idx1-ubyte.gz")
+
+    def keyed(images, labels):
+        return sorted(
+            images.reshape(len(images), -1).tobytes(order="C")[i * 784 : (i + 1) * 784]
+            + bytes([labels[i]])
+            for i in range(len(images))
+        )
+
+    assert keyed(test_src.images[..., 0], test_src.labels) == keyed(idx_images, idx_labels)
+    np.testing.assert_array_equal(np.bincount(train_src.labels), [6000] * 10)
