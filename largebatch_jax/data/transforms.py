@@ -64,6 +64,7 @@ def decode_crop_resize(
     encoded: bytes | np.ndarray,
     window_fn,
     size: int,
+    flip=None,
 ) -> np.ndarray:
     """Decode an image, crop the window `window_fn(h, w)` picks, resize to size x size.
 
@@ -80,20 +81,29 @@ def decode_crop_resize(
         image = _open(encoded)
         full_w, full_h = image.size
         top, left, h, w = window_fn(full_h, full_w)
-        if image.format == "JPEG":
-            reduce = max(1, min(h, w) // size)
+        reduce = min(h, w) // size
+        if image.format == "JPEG" and reduce >= 2:  # draft() at scale 1 only costs time
             image.draft("RGB", (max(1, full_w // reduce), max(1, full_h // reduce)))
         scale = image.size[0] / full_w
     image = image.convert("RGB") if image.mode not in ("RGB", "L") else image
     box = (left * scale, top * scale, (left + w) * scale, (top + h) * scale)
     out = image.resize((size, size), Image.BILINEAR, box=box)
+    if flip is not None and flip():  # in PIL: a numpy flip + copy costs 10x more
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     array = np.asarray(out)
     return array[..., None] if array.ndim == 2 else array
 
 
 def normalize(image: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
-    """Per-channel mean/std normalisation (rule 13), to float32."""
-    return (image.astype(np.float32) - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    """Per-channel mean/std normalisation (rule 13), to float32.
+
+    One channel at a time: numpy broadcasting over a last axis of 3 runs ~4x slower.
+    """
+    out = np.empty(image.shape, np.float32)
+    for c in range(image.shape[-1]):
+        np.subtract(image[..., c], np.float32(mean[c]), out=out[..., c], dtype=np.float32)
+        out[..., c] *= np.float32(1.0 / std[c])
+    return out
 
 
 def color_jitter(rng: np.random.Generator, image: np.ndarray, strength: float = 0.4) -> np.ndarray:
@@ -130,12 +140,17 @@ def train_transform_large(
 ) -> np.ndarray:
     """Rule 13 for ImageNet-style data: random-size crop to size x size, horizontal flip
     with probability 1/2, per-channel normalisation; optional colour jitter + lighting."""
-    image = decode_crop_resize(encoded, lambda h, w: sample_crop_window(rng, h, w), size)
-    if rng.random() < 0.5:
-        image = image[:, ::-1]
-    image = image.astype(np.float32)
+    flip = None  # drawn after the crop window, so the stream of draws is crop, flip
+
+    def window(h, w):
+        nonlocal flip
+        crop = sample_crop_window(rng, h, w)
+        flip = rng.random() < 0.5
+        return crop
+
+    image = decode_crop_resize(encoded, window, size, flip=lambda: flip)
     if color_augment:
-        image = pca_lighting(rng, color_jitter(rng, image))
+        image = pca_lighting(rng, color_jitter(rng, image.astype(np.float32)))
     return normalize(image, mean, std)
 
 
