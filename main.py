@@ -1,72 +1,58 @@
-"""Entry point: python main.py --config=configs/smoke.py [--config.batch_size=...].
+"""Train and evaluate one run of the paper's recipe.
 
-Until the input pipeline and the training loop land (issues 3 and 4) this runs the
-paper's data-parallel SGD step on a fixed synthetic batch for `demo_steps` updates and
-prints the metrics, so that the recipe and the engine can be seen working end to end.
+    python main.py --config=configs/imagenet_8k.py --workdir=/tmp/rn50_8k
+    python main.py --config=configs/imagenet.py:batch_size=8192,warmup=constant --workdir=...
+    python main.py --config=configs/fashion_mnist.py --workdir=/tmp/fmnist --config.batch_size=1024
+
+Any field can be overridden with --config.FIELD=VALUE. Rerunning the same command resumes
+from the newest checkpoint in the workdir. Exit codes: 0 done (or preempted by SIGTERM
+with a checkpoint saved), 2 bad config / data / workdir, 1 a failed run (e.g. NaN loss).
 """
 
+import sys
+
 import jax
-import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from largebatch_jax import optim, parallel, schedules, train
+from largebatch_jax import train
+from largebatch_jax.data.sources import DatasetNotPreparedError
+from largebatch_jax.validate import ConfigError
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/smoke.py", "Config file.")
-flags.DEFINE_string("workdir", None, "Output directory (used by the training loop).")
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and results.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address",
+    None,
+    "host:port of process 0, for multi-process runs where JAX "
+    "cannot detect the cluster (TPU, SLURM and Open MPI are detected).",
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1:
+        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     config = _CONFIG.value
-    engine = parallel.DataParallel(parallel.create_mesh(), config.parallelism)
     try:
-        micro = parallel.micro_batch_size(
-            config.batch_size, engine.num_devices, config.accum_steps, config.bn_group_size
-        )
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
-    steps_per_epoch = config.get("demo_steps_per_epoch", 10)
-    lr_fn = schedules.create_learning_rate_schedule(config, steps_per_epoch)
-    tx = optim.optimizer_from_config(config, lr_fn)
-    model = train.model_from_config(config)
-    image_shape = (config.image_size, config.image_size, config.channels)
-    logging.info(
-        "devices=%d processes=%d kn=%d n=%d k=%d accum=%d micro-batch/device=%d "
-        "peak lr=%.4g steps/epoch=%d",
-        engine.num_devices,
-        jax.process_count(),
-        config.batch_size,
-        config.bn_group_size,
-        config.batch_size // config.bn_group_size,
-        config.accum_steps,
-        micro,
-        schedules.scaled_learning_rate(
-            config.base_lr, config.base_batch_size, config.batch_size, config.lr_scaling
-        ),
-        steps_per_epoch,
-    )
-    state = engine.replicate(
-        train.create_train_state(jax.random.key(config.seed), model, tx, image_shape)
-    )
-    step = engine.map(
-        train.make_train_step(model, tx, lr_fn, config.accum_steps), donate_state=True
-    )
-    rng = np.random.default_rng(config.seed)
-    local = config.batch_size // jax.process_count()
-    batch = engine.shard_batch(
-        {
-            "image": rng.normal(size=(local, *image_shape)).astype(np.float32),
-            "label": rng.integers(0, config.num_classes, size=(local,)).astype(np.int32),
-        }
-    )
-    for _ in range(config.get("demo_steps", 10)):
-        state, metrics = step(state, batch)
-        m = jax.device_get(metrics)
+        result = train.train_and_evaluate(config, _WORKDIR.value)
+    except (ConfigError, DatasetNotPreparedError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except train.NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if "preempted" not in result and jax.process_index() == 0:
+        logging.info("result: %s", {k: v for k, v in result.items() if k != "config"})
+        metric = result["val_error_top1_median_last_epochs"]
         print(
-            f"step {int(state.step):3d}  lr {m['learning_rate']:.4f}  "
-            f"loss {m['train_loss']:.4f}  error {m['train_error']:.3f}  "
-            f"grad_norm {m['grad_norm']:.3f}",
+            f"done: top-1 error {result['final_val_error_top1']:.4f} (paper metric, median "
+            f"of the last {result['last_epochs']} epochs: {metric:.4f}); "
+            f"results in {_WORKDIR.value}/result.json",
             flush=True,
         )
 

@@ -50,6 +50,23 @@ def get_config() -> ml_collections.ConfigDict:
     c.momentum_correction = True  # used by update_form='caffe2'
     c.lars_trust_coefficient = 0.001
 
+    # Data (rules 8, 13).
+    c.dataset = "imagenet2012"
+    c.data_dir = ""  # "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+    c.workers = 8  # decoding processes per host (0 = threads in the main process)
+    c.eval_batch_size = 1000  # global; the last batch is padded and masked
+    c.color_augment = False  # fb.resnet.torch jitter + PCA lighting; not in the paper
+    c.train_subset = 0  # > 0: train on the first that many examples (small runs, tests)
+    c.eval_subset = 0
+
+    # Loop, reporting (rule 14), checkpoints.
+    c.log_every_steps = 100
+    c.eval_every_epochs = 1.0
+    c.checkpoint_every_steps = 1000
+    c.keep_checkpoints = 3
+    c.result_last_epochs = 5  # the paper's metric: median top-1 error of the last 5 epochs
+    c.skip_nonfinite = False  # True: skip (and count) an update whose loss is not finite
+
     # Engine.
     c.parallelism = "shard_map"  # shard_map | pmap
     return c

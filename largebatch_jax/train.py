@@ -9,17 +9,32 @@ kn images (paper Remark 3). See DESIGN.md, "The step, per device".
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from absl import logging
 from flax import linen as nn
 
+from largebatch_jax import optim, parallel, schedules
+from largebatch_jax.checkpoint import Checkpointer
+from largebatch_jax.data import loader, sources
+from largebatch_jax.metrics import MetricWriter, Progress, format_eta, read_metrics
 from largebatch_jax.models import create_model
 from largebatch_jax.parallel import AXIS
+from largebatch_jax.validate import ConfigError, validate_config
 
 
 @flax.struct.dataclass
@@ -129,15 +144,24 @@ def make_train_step(
 
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        # A non-finite loss or gradient leaves the state as it was (the step still counts),
+        # so the state in memory is always a good one; the loop stops or skips on the flag.
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep_new = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
         new_state = state.replace(
-            step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state
+            step=state.step + 1,
+            params=keep_new(params, state.params),
+            batch_stats=keep_new(batch_stats, state.batch_stats),
+            opt_state=keep_new(opt_state, state.opt_state),
         )
         metrics = {
+            "nonfinite": 1.0 - finite.astype(jnp.float32),
             "train_loss": loss,
             "train_error": error,
             "learning_rate": jnp.asarray(learning_rate_fn(state.step), jnp.float32),
-            "grad_norm": optax.tree.norm(grads),
-            "param_norm": optax.tree.norm(params),
+            "grad_norm": grad_norm,
+            "param_norm": optax.tree.norm(new_state.params),
         }
         return new_state, metrics
 
@@ -185,3 +209,319 @@ def model_from_config(config: Any) -> nn.Module:
         bn_epsilon=config.bn_epsilon,
         bn_axis_name=AXIS if config.bn_sync else None,
     )
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the message names the step."""
+
+
+class _Preemption:
+    """SIGTERM (a scheduler's preemption notice) sets a flag the loop reads between steps."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        del signum, frame
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _check_workdir(workdir: Path) -> None:
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / f".write_test_{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"--workdir={workdir} is not writable ({e.strerror}): choose another directory."
+        ) from None
+
+
+def _load_sources(config: Any, data_dir: str) -> tuple[Any, Any, Any]:
+    try:
+        spec = sources.dataset_spec(config.dataset, data_dir)
+    except ValueError as e:
+        raise ConfigError(f"config.{e}") from None
+    if config.num_classes != spec.num_classes:
+        raise ConfigError(
+            f"config.num_classes={config.num_classes} but {config.dataset} has "
+            f"{spec.num_classes} classes: set num_classes={spec.num_classes}."
+        )
+    if config.channels != len(spec.mean):
+        raise ConfigError(
+            f"config.channels={config.channels} but {config.dataset} images have "
+            f"{len(spec.mean)}: set channels={len(spec.mean)}."
+        )
+    train_src = sources.load_source(config.dataset, spec.train_split, data_dir)
+    eval_src = sources.load_source(config.dataset, spec.eval_split, data_dir)
+    try:
+        if config.train_subset:
+            train_src = sources.Subset(train_src, config.train_subset)
+        if config.eval_subset:
+            eval_src = sources.Subset(eval_src, config.eval_subset)
+    except ValueError as e:
+        raise ConfigError(f"config.train_subset / eval_subset: {e}") from None
+    if config.batch_size > len(train_src):
+        raise ConfigError(
+            f"config.batch_size={config.batch_size} is larger than the training set "
+            f"({len(train_src)} images)."
+        )
+    return spec, train_src, eval_src
+
+
+def params_digest(params: Any) -> str:
+    """sha256 of every parameter's bytes: equal digests mean bit-identical parameters."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(jax.device_get(params)):
+        digest.update(np.ascontiguousarray(leaf).tobytes())
+    return digest.hexdigest()
+
+
+def paper_metric(evals: list[dict], num_epochs: float, last_epochs: float) -> dict:
+    """Paper rule 14: a run's error is the median top-1 validation error of the
+    evaluations made in its last `last_epochs` epochs (5 in the paper)."""
+    used = [e for e in evals if e["epoch"] > num_epochs - last_epochs + 1e-9]
+    return {
+        "val_error_top1_median_last_epochs": (
+            float(np.median([e["val_error_top1"] for e in used])) if used else None
+        ),
+        "last_epochs": last_epochs,
+        "evaluations_used": [
+            {"epoch": e["epoch"], "val_error_top1": e["val_error_top1"]} for e in used
+        ],
+    }
+
+
+def evaluate(eval_fn, engine, state, eval_src, augment, config) -> dict:
+    """Every validation image once (padded, masked); returns error rates and loss."""
+    totals: dict[str, float] = {}
+    for batch in loader.eval_batches(
+        eval_src,
+        augment,
+        config.eval_batch_size,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        workers=config.workers,
+    ):
+        sums = jax.device_get(eval_fn(state, engine.shard_batch(batch)))
+        for k, v in sums.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    n = totals["count"]
+    return {
+        "val_error_top1": totals["top1_errors"] / n,
+        "val_error_top5": totals["top5_errors"] / n,
+        "val_loss": totals["loss_sum"] / n,
+        "val_count": n,
+    }
+
+
+def train_and_evaluate(config: Any, workdir: str) -> dict:
+    """Train and evaluate one run of the paper's recipe; resumes from `workdir`.
+
+    Returns the result (also written to workdir/result.json), or {'preempted': step}
+    after a SIGTERM, with a checkpoint saved.
+    """
+    engine = parallel.DataParallel(parallel.create_mesh(), config.parallelism)
+    micro = validate_config(config, engine.num_devices)
+    work = Path(workdir)
+    _check_workdir(work)
+    data_dir = config.data_dir or sources.default_data_dir()
+    spec, train_src, eval_src = _load_sources(config, data_dir)
+    is_main = jax.process_index() == 0
+
+    spe = loader.steps_per_epoch(len(train_src), config.batch_size)
+    total = schedules.epochs_to_steps(config.num_epochs, spe)
+    lr_fn = schedules.create_learning_rate_schedule(config, spe)
+    tx = optim.optimizer_from_config(config, lr_fn)
+    model = model_from_config(config)
+    image_shape = (config.image_size, config.image_size, config.channels)
+    augment = loader.default_augmentation(spec, config.image_size, config.color_augment)
+
+    state = engine.replicate(
+        create_train_state(jax.random.key(config.seed), model, tx, image_shape)
+    )
+    ckpt = Checkpointer(work / "checkpoints", config.keep_checkpoints)
+    restored = ckpt.restore_latest(state)
+    host = {"epoch_sums": {}, "data": None}
+    if restored is not None:
+        state, host = restored
+    start = int(jax.device_get(state.step))
+    train_loader = loader.TrainLoader(
+        train_src,
+        augment,
+        config.batch_size,
+        config.seed,
+        total,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        workers=config.workers,
+    )
+    if host["data"] is not None:
+        train_loader.set_state(host["data"])
+    if train_loader.step != start:
+        raise RuntimeError(f"checkpoint step {start} and loader step {train_loader.step} differ")
+
+    peak = schedules.scaled_learning_rate(
+        config.base_lr, config.base_batch_size, config.batch_size, config.lr_scaling
+    )
+    logging.info(
+        "devices=%d (local %d) processes=%d | kn=%d n=%d k=%d accum_steps=%d | per device "
+        "%d images/micro-step | local batch %d | peak lr %.4g | %d steps/epoch, %d steps | "
+        "%s: %d train / %d eval images | %s",
+        engine.num_devices,
+        engine.num_local_devices,
+        jax.process_count(),
+        config.batch_size,
+        config.bn_group_size,
+        config.batch_size // config.bn_group_size,
+        config.accum_steps,
+        micro,
+        train_loader.local_batch,
+        peak,
+        spe,
+        total,
+        config.dataset,
+        len(train_src),
+        len(eval_src),
+        f"resuming at step {start}" if start else "starting",
+    )
+    train_step = engine.map(
+        make_train_step(model, tx, lr_fn, config.accum_steps), donate_state=True
+    )
+    eval_step = engine.map(make_eval_step(model))
+    writer = MetricWriter(work, is_main)
+    progress = Progress(total, start)
+    eval_every = max(1, schedules.epochs_to_steps(config.eval_every_epochs, spe))
+    pending: list[tuple[int, dict]] = []
+    skipped = 0
+    began = time.time()
+
+    def host_state(step: int) -> dict:
+        return {"epoch_sums": host["epoch_sums"], "data": train_loader.get_state(), "step": step}
+
+    def flush(step: int) -> None:
+        """Fetch the metrics of the steps since the last flush (the only host sync)."""
+        nonlocal skipped
+        if not pending:
+            return
+        fetched = jax.device_get([m for _, m in pending])
+        steps = [s for s, _ in pending]
+        pending.clear()
+        for s, m in zip(steps, fetched, strict=True):
+            if m["nonfinite"]:
+                if not config.skip_nonfinite:
+                    raise NonFiniteLossError(
+                        f"non-finite loss at step {s} (epoch {s / spe:.2f}); the state of "
+                        f"step {s - 1} is kept and the last checkpoint "
+                        f"(step {max(ckpt.steps(), default=0)}) is untouched. Lower the "
+                        "learning rate or set --config.skip_nonfinite=True."
+                    )
+                skipped += 1
+                continue
+            epoch = (s - 1) // spe
+            sums = host["epoch_sums"].setdefault(str(epoch), [0.0, 0.0, 0])
+            sums[0] += float(m["train_error"])
+            sums[1] += float(m["train_loss"])
+            sums[2] += 1
+        last = fetched[-1]
+        images_per_sec, eta = progress.update(step, config.batch_size)
+        scalars = {
+            "epoch": step / spe,
+            "train_loss": last["train_loss"],
+            "train_error": last["train_error"],
+            "learning_rate": last["learning_rate"],
+            "grad_norm": last["grad_norm"],
+            "param_norm": last["param_norm"],
+            "images_per_sec": images_per_sec,
+            "skipped_steps": skipped,
+        }
+        writer.write(step, scalars)
+        if is_main:
+            print(
+                f"step {step}/{total} epoch {step / spe:.2f} | loss {scalars['train_loss']:.4f} "
+                f"err {scalars['train_error']:.4f} lr {scalars['learning_rate']:.4g} | "
+                f"{images_per_sec:.0f} img/s | ETA {format_eta(eta)}",
+                flush=True,
+            )
+
+    with _Preemption() as preemption:
+        if start == 0:
+            ckpt.save(0, state, host_state(0))  # a good state to fall back to from step 1
+        for step in range(start + 1, total + 1):
+            if preemption.requested:
+                flush(step - 1)
+                ckpt.save(step - 1, state, host_state(step - 1))
+                ckpt.close()
+                writer.close()
+                print(
+                    f"preempted: checkpoint saved at step {step - 1} in {ckpt.directory}; "
+                    "rerun the same command to resume",
+                    flush=True,
+                )
+                return {"preempted": step - 1}
+            state, metrics = train_step(state, engine.shard_batch(next(train_loader)))
+            pending.append((step, metrics))
+            epoch_end = step % spe == 0
+            if step % config.log_every_steps == 0 or epoch_end or step == total:
+                flush(step)
+            if epoch_end:
+                epoch = step // spe - 1
+                err, loss, count = host["epoch_sums"].pop(str(epoch), [0.0, 0.0, 0])
+                if count:
+                    writer.write(
+                        step,
+                        {
+                            "epoch": step / spe,
+                            "epoch_train_error": err / count,
+                            "epoch_train_loss": loss / count,
+                        },
+                    )
+            if step % eval_every == 0 or step == total:
+                flush(step)
+                result = evaluate(eval_step, engine, state, eval_src, augment, config)
+                writer.write(step, {"epoch": step / spe, **result})
+                if is_main:
+                    print(
+                        f"eval at epoch {step / spe:.2f}: top-1 error "
+                        f"{result['val_error_top1']:.4f} top-5 {result['val_error_top5']:.4f}",
+                        flush=True,
+                    )
+            if step % config.checkpoint_every_steps == 0 or step == total:
+                flush(step)
+                ckpt.save(step, state, host_state(step))
+    ckpt.close()
+    writer.close()
+
+    evals = [r for r in read_metrics(work) if "val_error_top1" in r]
+    final = evals[-1] if evals else {}
+    result = {
+        **paper_metric(evals, config.num_epochs, config.result_last_epochs),
+        "final_val_error_top1": final.get("val_error_top1"),
+        "final_val_error_top5": final.get("val_error_top5"),
+        "steps": total,
+        "epochs": config.num_epochs,
+        "skipped_steps": skipped,
+        "train_seconds_this_session": time.time() - began,
+        "params_sha256": params_digest(state.params),
+        "batch_size": config.batch_size,
+        "bn_group_size": config.bn_group_size,
+        "peak_learning_rate": peak,
+        "config": config.to_dict(),
+    }
+    if is_main:
+        (work / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result

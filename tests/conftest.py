@@ -14,3 +14,20 @@ import pytest
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
     assert jax.device_count() == 8, f"tests need 8 CPU devices, got {jax.device_count()}"
+
+
+@pytest.fixture(scope="session")
+def fashion_mnist_dir(tmp_path_factory):
+    """Fashion-MNIST prepared once per session with the real tfds builder (from the local
+    IDX files, or tfds's download where the network allows)."""
+    from largebatch_jax.data import sources
+
+    data_dir = tmp_path_factory.mktemp("tfds")
+    try:
+        sources.prepare("fashion_mnist", str(data_dir))
+    except Exception as e:  # neither the IDX files nor the network
+        pytest.skip(
+            f"Fashion-MNIST unavailable ({type(e).__name__}: {e}); install Debian's "
+            "dataset-fashion-mnist (make data)"
+        )
+    return str(data_dir)

@@ -348,14 +348,11 @@ def test_imagenet_eval_counts_each_image_once_on_8_devices(tiny_imagenet):
 
 
 @pytest.mark.slow
-def test_fashion_mnist_from_local_idx_files(tmp_path):
+def test_fashion_mnist_from_local_idx_files(fashion_mnist_dir):
     idx_dir = Path(sources.DEFAULT_IDX_DIR)
     if not (idx_dir / "train-images-idx3-ubyte.gz").exists():
-        pytest.skip(
-            f"no Fashion-MNIST IDX files in {idx_dir} (apt-get install "
-            "dataset-fashion-mnist) and no network for tfds's download"
-        )
-    sources.prepare("fashion_mnist", str(tmp_path))
+        pytest.skip(f"no Fashion-MNIST IDX files in {idx_dir} (make data)")
+    tmp_path = fashion_mnist_dir
     train_src = sources.load_source("fashion_mnist", "train", str(tmp_path))
     test_src = sources.load_source("fashion_mnist", "test", str(tmp_path))
     assert len(train_src) == 60_000 and len(test_src) == 10_000

@@ -182,7 +182,7 @@ IMAGENET_DEPTHS = {
 CIFAR_DEPTHS = (8, 20, 32, 56)
 MODEL_NAMES = tuple(f"resnet{d}" for d in (*IMAGENET_DEPTHS, *CIFAR_DEPTHS))
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def create_model(
@@ -204,9 +204,9 @@ def create_model(
     that axis (the Flax-example behaviour; only for the ablation).
     """
     if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not one of {tuple(_DTYPES)}.")
-        dtype = _DTYPES[dtype]
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {tuple(DTYPES)}.")
+        dtype = DTYPES[dtype]
     if name not in MODEL_NAMES:
         raise ValueError(f"model={name!r} is not one of {MODEL_NAMES}.")
     if num_classes <= 0:

@@ -1,0 +1,59 @@
+"""Paper-style curves of runs against each other (Figures 2-4): training error per epoch
+and validation error, one line per workdir.
+
+    python -m largebatch_jax.plot WORKDIR [WORKDIR ...] [--out curves.png] [--labels a,b]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from largebatch_jax.metrics import read_metrics
+
+
+def plot_runs(
+    workdirs: list[str], out: str, labels: list[str] | None = None, title: str = ""
+) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = labels or [Path(w).name for w in workdirs]
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
+    for workdir, label in zip(workdirs, labels, strict=True):
+        rows = read_metrics(workdir)
+        train = [(r["epoch"], r["epoch_train_error"]) for r in rows if "epoch_train_error" in r]
+        val = [(r["epoch"], r["val_error_top1"]) for r in rows if "val_error_top1" in r]
+        if train:
+            ax_train.plot(*zip(*train, strict=True), label=label)
+        if val:
+            ax_val.plot(*zip(*val, strict=True), marker="o", markersize=3, label=label)
+    for ax, name in ((ax_train, "training error"), (ax_val, "validation top-1 error")):
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(f"{name} (%)")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("workdirs", nargs="+")
+    parser.add_argument("--out", default="curves.png")
+    parser.add_argument("--labels", default="", help="comma-separated, one per workdir")
+    parser.add_argument("--title", default="")
+    args = parser.parse_args()
+    labels = args.labels.split(",") if args.labels else None
+    print(plot_runs(args.workdirs, args.out, labels, args.title))
+
+
+if __name__ == "__main__":
+    main()

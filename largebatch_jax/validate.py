@@ -1,0 +1,112 @@
+"""Config validation, before anything is compiled: one line naming the field, the value
+and the fix, raised as ConfigError (main turns it into exit code 2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from largebatch_jax import parallel, schedules
+from largebatch_jax.models.resnet import DTYPES, MODEL_NAMES
+from largebatch_jax.optim import OPTIMIZERS, UPDATE_FORMS
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line."""
+
+
+def _positive(v):
+    return v > 0
+
+
+def _non_negative(v):
+    return v >= 0
+
+
+# field: (types, check, what the check means)
+RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
+    "seed": ((int,), _non_negative, ">= 0"),
+    "model": ((str,), lambda v: v in MODEL_NAMES, f"one of {MODEL_NAMES}"),
+    "num_classes": ((int,), _positive, "> 0"),
+    "image_size": ((int,), _positive, "> 0"),
+    "channels": ((int,), lambda v: v in (1, 3), "1 or 3"),
+    "width": ((int,), _positive, "> 0"),
+    "zero_init_residual": ((bool,), None, ""),
+    "dtype": ((str,), lambda v: v in DTYPES, f"one of {tuple(DTYPES)}"),
+    "batch_size": ((int,), _positive, "> 0"),
+    "bn_group_size": ((int,), _positive, "> 0"),
+    "accum_steps": ((int,), _positive, "> 0"),
+    "bn_momentum": ((float,), lambda v: 0 <= v < 1, "in [0, 1)"),
+    "bn_epsilon": ((float,), _positive, "> 0"),
+    "bn_sync": ((bool,), None, ""),
+    "base_lr": ((float, int), _positive, "> 0"),
+    "base_batch_size": ((int,), _positive, "> 0"),
+    "lr_scaling": (
+        (str,),
+        lambda v: v in schedules.LR_SCALING_RULES,
+        f"one of {schedules.LR_SCALING_RULES}",
+    ),
+    "warmup": ((str,), lambda v: v in schedules.WARMUP_KINDS, f"one of {schedules.WARMUP_KINDS}"),
+    "warmup_epochs": ((float, int), _non_negative, ">= 0"),
+    "lr_decay": ((str,), lambda v: v in schedules.DECAY_KINDS, f"one of {schedules.DECAY_KINDS}"),
+    "decay_factor": ((float,), lambda v: 0 < v <= 1, "in (0, 1]"),
+    "num_epochs": ((float, int), _positive, "> 0"),
+    "optimizer": ((str,), lambda v: v in OPTIMIZERS, f"one of {OPTIMIZERS}"),
+    "momentum": ((float, int), lambda v: 0 <= v < 1, "in [0, 1)"),
+    "nesterov": ((bool,), None, ""),
+    "weight_decay": ((float, int), _non_negative, ">= 0"),
+    "decay_batchnorm": ((bool,), None, ""),
+    "decay_bias": ((bool,), None, ""),
+    "update_form": ((str,), lambda v: v in UPDATE_FORMS, f"one of {UPDATE_FORMS}"),
+    "momentum_correction": ((bool,), None, ""),
+    "lars_trust_coefficient": ((float,), _positive, "> 0"),
+    "dataset": ((str,), bool, "a dataset name"),
+    "data_dir": ((str,), None, ""),
+    "workers": ((int,), _non_negative, ">= 0"),
+    "eval_batch_size": ((int,), _positive, "> 0"),
+    "color_augment": ((bool,), None, ""),
+    "train_subset": ((int,), _non_negative, ">= 0"),
+    "eval_subset": ((int,), _non_negative, ">= 0"),
+    "log_every_steps": ((int,), _positive, "> 0"),
+    "eval_every_epochs": ((float, int), _positive, "> 0"),
+    "checkpoint_every_steps": ((int,), _positive, "> 0"),
+    "keep_checkpoints": ((int,), _positive, "> 0"),
+    "result_last_epochs": ((float, int), _positive, "> 0"),
+    "skip_nonfinite": ((bool,), None, ""),
+    "parallelism": (
+        (str,),
+        lambda v: v in parallel.PARALLELISMS,
+        f"one of {parallel.PARALLELISMS}",
+    ),
+}
+
+
+def validate_config(config: Any, num_devices: int) -> int:
+    """Check every field's type and range and the minibatch geometry; returns the
+    per-device micro-batch. Raises ConfigError with one line."""
+    for field, (types, check, meaning) in RULES.items():
+        if field not in config:
+            raise ConfigError(f"config.{field} is missing: start the config from configs/base.py.")
+        value = config[field]
+        # bool is an int in Python: keep True out of integer fields and 1 out of bools.
+        if isinstance(value, bool) != (bool in types) or not isinstance(value, types):
+            names = " or ".join(t.__name__ for t in types)
+            raise ConfigError(f"config.{field}={value!r} must be a {names}.")
+        if check is not None and not check(value):
+            raise ConfigError(f"config.{field}={value!r} must be {meaning}.")
+    if any(e > config.num_epochs for e in config.decay_epochs):
+        raise ConfigError(
+            f"config.decay_epochs={tuple(config.decay_epochs)} go past "
+            f"num_epochs={config.num_epochs}: lower them or raise num_epochs."
+        )
+    try:
+        micro = parallel.micro_batch_size(
+            config.batch_size, num_devices, config.accum_steps, config.bn_group_size
+        )
+    except ValueError as e:
+        raise ConfigError(f"config.{e}") from None
+    if config.eval_batch_size % num_devices:
+        raise ConfigError(
+            f"config.eval_batch_size={config.eval_batch_size} is not divisible by the "
+            f"{num_devices} devices."
+        )
+    return micro

@@ -1,0 +1,260 @@
+"""The training program end to end: `python main.py` as a researcher runs it, in
+subprocesses on 8 fake CPU devices, on real Fashion-MNIST."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from largebatch_jax.metrics import read_metrics
+from largebatch_jax.train import paper_metric
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_KEYS = {
+    "step",
+    "epoch",
+    "train_loss",
+    "train_error",
+    "learning_rate",
+    "grad_norm",
+    "param_norm",
+    "images_per_sec",
+}
+EVAL_KEYS = {"step", "epoch", "val_error_top1", "val_error_top5", "val_loss"}
+
+
+def env():
+    return {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
+
+
+def command(workdir, data_dir, *overrides, config="configs/smoke.py"):
+    return [
+        sys.executable,
+        "main.py",
+        f"--config={config}",
+        f"--workdir={workdir}",
+        f"--config.data_dir={data_dir}",
+        *overrides,
+    ]
+
+
+def run(workdir, data_dir, *overrides, config="configs/smoke.py", timeout=300):
+    return subprocess.run(
+        command(workdir, data_dir, *overrides, config=config),
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def result(workdir):
+    return json.loads((Path(workdir) / "result.json").read_text())
+
+
+def checkpoint_steps(workdir):
+    folder = Path(workdir) / "checkpoints"
+    return (
+        sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []
+    )
+
+
+LONGER = ("--config.num_epochs=4.0", "--config.decay_epochs=(2.0,3.0)")  # 64 steps
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, fashion_mnist_dir):
+    """The uninterrupted 64-step reference run."""
+    workdir = tmp_path_factory.mktemp("straight")
+    out = run(workdir, fashion_mnist_dir, *LONGER)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return workdir
+
+
+def test_smoke_end_to_end(tmp_path, fashion_mnist_dir):
+    started = time.time()
+    out = run(tmp_path, fashion_mnist_dir)
+    elapsed = time.time() - started
+    assert out.returncode == 0, out.stderr[-3000:]
+    print(f"smoke run took {elapsed:.1f} s")
+    rows = read_metrics(tmp_path)
+    train_rows = [r for r in rows if "train_loss" in r]
+    eval_rows = [r for r in rows if "val_error_top1" in r]
+    assert train_rows and set(train_rows[0]) >= TRAIN_KEYS
+    assert len(eval_rows) == 4 and set(eval_rows[0]) >= EVAL_KEYS  # every half epoch
+    assert [r["epoch"] for r in rows if "epoch_train_error" in r] == [1.0, 2.0]
+    assert all(r["val_count"] == 500 for r in eval_rows)  # every eval image exactly once
+    res = result(tmp_path)
+    expected = paper_metric(eval_rows, 2.0, 2)["val_error_top1_median_last_epochs"]
+    assert res["val_error_top1_median_last_epochs"] == pytest.approx(expected)
+    assert res["steps"] == 32 and res["peak_learning_rate"] == pytest.approx(0.2)
+    assert 32 in checkpoint_steps(tmp_path)
+    assert "done: top-1 error" in out.stdout
+
+
+def wait_for_checkpoint(proc, workdir, step, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(s >= step for s in checkpoint_steps(workdir)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before checkpoint {step}: {proc.stderr.read()}")
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint {step} within {timeout} s")
+
+
+@pytest.mark.slow
+def test_sigkill_and_restart_is_bit_identical(tmp_path, fashion_mnist_dir, straight):
+    proc = subprocess.Popen(
+        command(tmp_path, fashion_mnist_dir, *LONGER),
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_checkpoint(proc, tmp_path, 8)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert not (tmp_path / "result.json").exists()  # killed in the middle of the run
+    resumed_from = max(checkpoint_steps(tmp_path))
+    assert 8 <= resumed_from < 64
+    out = run(tmp_path, fashion_mnist_dir, *LONGER)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming at step {resumed_from}" in out.stderr
+    assert result(tmp_path)["params_sha256"] == result(straight)["params_sha256"]
+    # The curves of the resumed run are the uninterrupted ones (all but the timings).
+    assert without_timing(read_metrics(tmp_path)) == without_timing(read_metrics(straight))
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if k != "images_per_sec"} for r in rows]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_resumes(tmp_path, fashion_mnist_dir, straight):
+    proc = subprocess.Popen(
+        command(tmp_path, fashion_mnist_dir, *LONGER),
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_checkpoint(proc, tmp_path, 8)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    line = next(x for x in stdout.splitlines() if x.startswith("preempted"))
+    saved = int(line.split("checkpoint saved at step ")[1].split()[0])
+    assert saved in checkpoint_steps(tmp_path) and saved < 64
+    out = run(tmp_path, fashion_mnist_dir, *LONGER)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming at step {saved}" in out.stderr
+    assert result(tmp_path)["params_sha256"] == result(straight)["params_sha256"]
+
+
+BAD_CONFIGS = [
+    ("--config.warmup=linear", "warmup"),
+    ("--config.batch_size=60", "batch_size=60"),
+    ("--config.bn_group_size=16", "bn_group_size=16"),
+    ("--config.accum_steps=0", "accum_steps"),
+    ("--config.base_lr=-0.1", "base_lr"),
+    ("--config.model=resnet51", "model"),
+    ("--config.dataset=imagenet2013", "dataset"),
+    ("--config.num_epochs=0.0", "num_epochs"),
+    ("--config.momentum=1.5", "momentum"),
+    ("--config.weight_decay=-1.0", "weight_decay"),
+    ("--config.parallelism=pjit", "parallelism"),
+    ("--config.num_classes=1000", "num_classes"),
+    ("--config.decay_epochs=(1.0,5.0)", "decay_epochs"),
+    ("--config.eval_batch_size=100", "eval_batch_size"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override,field", BAD_CONFIGS, ids=[f for _, f in BAD_CONFIGS])
+def test_bad_config_exits_2_with_one_line(tmp_path, fashion_mnist_dir, override, field):
+    out = run(tmp_path / "wd", fashion_mnist_dir, override, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and field in errors[0], out.stderr[-2000:]
+    assert not checkpoint_steps(tmp_path / "wd")  # failed before training
+
+
+@pytest.mark.slow
+def test_missing_dataset_and_unwritable_workdir_exit_2(tmp_path, fashion_mnist_dir):
+    out = run(tmp_path / "wd", tmp_path / "empty")
+    assert out.returncode == 2
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert "fashion_mnist" in line and "python -m largebatch_jax.data.prepare" in line
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    out = run(blocker / "wd", fashion_mnist_dir)
+    assert out.returncode == 2
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert "--workdir" in line and "not writable" in line
+
+
+@pytest.mark.slow
+def test_nonfinite_loss_stops_and_keeps_the_good_checkpoint(tmp_path, fashion_mnist_dir):
+    out = run(tmp_path, fashion_mnist_dir, "--config.base_lr=1e30")
+    assert out.returncode == 1, out.stderr[-2000:]
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert "non-finite loss at step" in line
+    step = int(line.split("non-finite loss at step ")[1].split()[0])
+    saved = checkpoint_steps(tmp_path)
+    assert 0 in saved and all(s < step for s in saved)
+    assert not (tmp_path / "result.json").exists()
+    # Skipping instead: the run finishes and counts the skipped updates.
+    out = run(
+        tmp_path / "skip",
+        fashion_mnist_dir,
+        "--config.base_lr=1e30",
+        "--config.skip_nonfinite=True",
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert result(tmp_path / "skip")["skipped_steps"] > 0
+
+
+def test_paper_metric_is_the_median_of_the_last_epochs():
+    evals = [
+        {"epoch": e, "val_error_top1": err}
+        for e, err in [(85, 0.30), (86, 0.25), (87, 0.24), (88, 0.26), (89, 0.23), (90, 0.27)]
+    ]
+    metric = paper_metric(evals, 90, 5)
+    assert metric["val_error_top1_median_last_epochs"] == pytest.approx(0.25)
+    assert [e["epoch"] for e in metric["evaluations_used"]] == [86, 87, 88, 89, 90]
+
+
+def test_plot_draws_the_curves(tmp_path, straight):
+    out = tmp_path / "curves.png"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "largebatch_jax.plot",
+            str(straight),
+            str(straight),
+            "--labels",
+            "a,b",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert out.stat().st_size > 10_000
