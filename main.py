@@ -37,6 +37,8 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1:
         jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     config = _CONFIG.value
     try:
         result = train.train_and_evaluate(config, _WORKDIR.value)
@@ -47,7 +49,6 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     if "preempted" not in result and jax.process_index() == 0:
-        logging.info("result: %s", {k: v for k, v in result.items() if k != "config"})
         metric = result["val_error_top1_median_last_epochs"]
         print(
             f"done: top-1 error {result['final_val_error_top1']:.4f} (paper metric, median "

@@ -3,10 +3,10 @@
 
 ResNet-8 (width 8) on 14x14 images (2x2-averaged), kn=256 with n=32 (k=8 workers, as
 the paper's baseline), lr 0.1, Nesterov momentum, weight decay 1e-4 on kernels, zero-gamma,
-per-worker BN. The 90-epoch schedule is scaled to 6 epochs: step decays at 2, 4 and 16/3
+per-worker BN. The 90-epoch schedule is scaled to 4 epochs: step decays at 4/3, 8/3 and 32/9
 epochs (30/90, 60/90, 80/90). Width 8 and 14x14 because XLA:CPU's convolution weight
-gradient is slow for wider layers (measured here: width 16 runs 5x slower than width 8). Reproduces no table by itself; experiments/ builds the small-scale
-analogues of the paper's tables from it.
+gradient is slow for wider layers (measured here: width 16 runs 5x slower than width 8).
+Reproduces no table by itself; it is the base of the small-scale analogues.
 """
 
 from configs import base
@@ -22,9 +22,9 @@ def get_config():
     c.channels = 1
     c.batch_size = 256
     c.bn_group_size = 32
-    c.num_epochs = 6.0
-    c.warmup_epochs = 6.0 * 5 / 90  # applies only above kn=256
-    c.decay_epochs = (2.0, 4.0, 6.0 * 80 / 90)
+    c.num_epochs = 4.0
+    c.warmup_epochs = 4.0 * 5 / 90  # applies only above kn=256
+    c.decay_epochs = (4.0 * 30 / 90, 4.0 * 60 / 90, 4.0 * 80 / 90)
     c.workers = 0
     c.eval_batch_size = 1000
     c.log_every_steps = 50

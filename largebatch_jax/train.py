@@ -335,8 +335,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     Returns the result (also written to workdir/result.json), or {'preempted': step}
     after a SIGTERM, with a checkpoint saved.
     """
+    micro = validate_config(config, jax.device_count())
     engine = parallel.DataParallel(parallel.create_mesh(), config.parallelism)
-    micro = validate_config(config, engine.num_devices)
     work = Path(workdir)
     _check_workdir(work)
     data_dir = config.data_dir or sources.default_data_dir()
@@ -378,27 +378,18 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     peak = schedules.scaled_learning_rate(
         config.base_lr, config.base_batch_size, config.batch_size, config.lr_scaling
     )
-    logging.info(
-        "devices=%d (local %d) processes=%d | kn=%d n=%d k=%d accum_steps=%d | per device "
-        "%d images/micro-step | local batch %d | peak lr %.4g | %d steps/epoch, %d steps | "
-        "%s: %d train / %d eval images | %s",
-        engine.num_devices,
-        engine.num_local_devices,
-        jax.process_count(),
-        config.batch_size,
-        config.bn_group_size,
-        config.batch_size // config.bn_group_size,
-        config.accum_steps,
-        micro,
-        train_loader.local_batch,
-        peak,
-        spe,
-        total,
-        config.dataset,
-        len(train_src),
-        len(eval_src),
-        f"resuming at step {start}" if start else "starting",
+    summary = (
+        f"devices={engine.num_devices} (local {engine.num_local_devices}) "
+        f"processes={jax.process_count()} | kn={config.batch_size} n={config.bn_group_size} "
+        f"k={config.batch_size // config.bn_group_size} accum_steps={config.accum_steps} | "
+        f"per device {micro} images/micro-step | local batch {train_loader.local_batch} | "
+        f"peak lr {peak:.4g} | {spe} steps/epoch, {total} steps | {config.dataset}: "
+        f"{len(train_src)} train / {len(eval_src)} eval images | "
+        + (f"resuming at step {start}" if start else "starting")
     )
+    logging.info(summary)
+    if is_main:
+        print(summary, flush=True)
     train_step = engine.map(
         make_train_step(model, tx, lr_fn, config.accum_steps), donate_state=True
     )

@@ -3,6 +3,7 @@ subprocesses on 8 fake CPU devices, on real Fashion-MNIST."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,7 +70,11 @@ def checkpoint_steps(workdir):
     )
 
 
-LONGER = ("--config.num_epochs=4.0", "--config.decay_epochs=(2.0,3.0)")  # 64 steps
+LONGER = (  # 64 steps, an evaluation per epoch
+    "--config.num_epochs=4.0",
+    "--config.decay_epochs=(2.0,3.0)",
+    "--config.eval_every_epochs=1.0",
+)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +136,7 @@ def test_sigkill_and_restart_is_bit_identical(tmp_path, fashion_mnist_dir, strai
     assert 8 <= resumed_from < 64
     out = run(tmp_path, fashion_mnist_dir, *LONGER)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"resuming at step {resumed_from}" in out.stderr
+    assert f"resuming at step {resumed_from}" in out.stdout
     assert result(tmp_path)["params_sha256"] == result(straight)["params_sha256"]
     # The curves of the resumed run are the uninterrupted ones (all but the timings).
     assert without_timing(read_metrics(tmp_path)) == without_timing(read_metrics(straight))
@@ -160,7 +165,7 @@ def test_sigterm_saves_a_checkpoint_and_resumes(tmp_path, fashion_mnist_dir, str
     assert saved in checkpoint_steps(tmp_path) and saved < 64
     out = run(tmp_path, fashion_mnist_dir, *LONGER)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"resuming at step {saved}" in out.stderr
+    assert f"resuming at step {saved}" in out.stdout
     assert result(tmp_path)["params_sha256"] == result(straight)["params_sha256"]
 
 
@@ -225,6 +230,37 @@ def test_nonfinite_loss_stops_and_keeps_the_good_checkpoint(tmp_path, fashion_mn
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert result(tmp_path / "skip")["skipped_steps"] > 0
+
+
+@pytest.mark.slow
+def test_unreadable_checkpoint_falls_back_to_the_previous(tmp_path, fashion_mnist_dir, straight):
+    workdir = tmp_path / "copy"
+    shutil.copytree(straight, workdir)
+    newest = workdir / "checkpoints" / str(max(checkpoint_steps(workdir)))
+    for f in (newest / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    (workdir / "result.json").unlink()
+    out = run(workdir, fashion_mnist_dir, *LONGER)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"checkpoint at step {newest.name} cannot be read" in out.stdout
+    assert result(workdir)["params_sha256"] == result(straight)["params_sha256"]
+
+
+@pytest.mark.slow
+def test_fashion_mnist_config_learns_on_real_data(tmp_path, fashion_mnist_dir):
+    """The README's main job: under 15% test error on the real 10,000 test images."""
+    started = time.time()
+    out = run(tmp_path, fashion_mnist_dir, config="configs/fashion_mnist.py", timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = result(tmp_path)
+    print(
+        f"fashion_mnist: {res['final_val_error_top1']:.4f} top-1 error in "
+        f"{time.time() - started:.0f} s"
+    )
+    assert res["final_val_error_top1"] < 0.15
+    evals = [r for r in read_metrics(tmp_path) if "val_error_top1" in r]
+    assert evals[-1]["val_count"] == 10_000
 
 
 def test_paper_metric_is_the_median_of_the_last_epochs():
