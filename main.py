@@ -51,9 +51,9 @@ def main(argv):
     if "preempted" not in result and jax.process_index() == 0:
         metric = result["val_error_top1_median_last_epochs"]
         print(
-            f"done: top-1 error {result['final_val_error_top1']:.4f} (paper metric, median "
-            f"of the last {result['last_epochs']} epochs: {metric:.4f}); "
-            f"results in {_WORKDIR.value}/result.json",
+            f"done: top-1 error {result['final_val_error_top1']} (paper metric, median of the "
+            f"last {result['last_epochs']} epochs: {metric}); results in "
+            f"{_WORKDIR.value}/result.json",
             flush=True,
         )
 

@@ -54,7 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.dataset = "imagenet2012"
     c.data_dir = ""  # "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
     c.workers = 8  # decoding processes per host (0 = threads in the main process)
-    c.eval_batch_size = 1000  # global; the last batch is padded and masked
+    c.eval_batch_size = 1024  # global, divisible by 256 devices; the last batch is padded
     c.color_augment = False  # fb.resnet.torch jitter + PCA lighting; not in the paper
     c.train_subset = 0  # > 0: train on the first that many examples (small runs, tests)
     c.eval_subset = 0

@@ -16,7 +16,13 @@ the paper's default (configs/base.py). Any field can also be overridden as a fla
 
 from configs import base
 
-_CAST = {bool: lambda v: v.lower() in ("1", "true", "yes"), int: int, float: float, str: str}
+_CAST = {
+    bool: lambda v: v.lower() in ("1", "true", "yes"),
+    int: int,
+    float: float,
+    str: str,
+    tuple: lambda v: tuple(float(x) for x in v.split(";")),  # decay_epochs=30;60;80
+}
 
 
 def get_config(arg: str | None = None):

@@ -148,7 +148,14 @@ def make_train_step(
         # so the state in memory is always a good one; the loop stops or skips on the flag.
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep_new = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+        # Integer leaves are counters (the schedule's step inside optax): they advance, so
+        # the rate applied stays the one of state.step.
+        keep_new = functools.partial(
+            jax.tree.map,
+            lambda new, old: (
+                jnp.where(finite, new, old) if jnp.issubdtype(new.dtype, jnp.inexact) else new
+            ),
+        )
         new_state = state.replace(
             step=state.step + 1,
             params=keep_new(params, state.params),
@@ -275,6 +282,11 @@ def _load_sources(config: Any, data_dir: str) -> tuple[Any, Any, Any]:
             eval_src = sources.Subset(eval_src, config.eval_subset)
     except ValueError as e:
         raise ConfigError(f"config.train_subset / eval_subset: {e}") from None
+    if not spec.large_images and spec.native_size % config.image_size:
+        raise ConfigError(
+            f"config.image_size={config.image_size} must divide {config.dataset}'s native size "
+            f"{spec.native_size} (images are downscaled by box averaging)."
+        )
     if config.batch_size > len(train_src):
         raise ConfigError(
             f"config.batch_size={config.batch_size} is larger than the training set "
@@ -356,9 +368,14 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     )
     ckpt = Checkpointer(work / "checkpoints", config.keep_checkpoints)
     restored = ckpt.restore_latest(state)
-    host = {"epoch_sums": {}, "data": None}
+    host = {"epoch_sums": {}, "data": None, "skipped": 0}
     if restored is not None:
         state, host = restored
+    elif ckpt.steps():
+        raise ConfigError(
+            f"--workdir={work}: none of the checkpoints {ckpt.steps()} can be restored (corrupt, "
+            "or saved with another model or optimizer config): use a new workdir."
+        )
     start = int(jax.device_get(state.step))
     train_loader = loader.TrainLoader(
         train_src,
@@ -371,7 +388,10 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
         workers=config.workers,
     )
     if host["data"] is not None:
-        train_loader.set_state(host["data"])
+        try:
+            train_loader.set_state(host["data"])
+        except ValueError as e:
+            raise ConfigError(f"--workdir={work}: {e}") from None
     if train_loader.step != start:
         raise RuntimeError(f"checkpoint step {start} and loader step {train_loader.step} differ")
 
@@ -398,11 +418,21 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     progress = Progress(total, start)
     eval_every = max(1, schedules.epochs_to_steps(config.eval_every_epochs, spe))
     pending: list[tuple[int, dict]] = []
-    skipped = 0
+    skipped = int(host.get("skipped", 0))
     began = time.time()
 
     def host_state(step: int) -> dict:
-        return {"epoch_sums": host["epoch_sums"], "data": train_loader.get_state(), "step": step}
+        # A copy: orbax may serialise it after save() returns, while the loop goes on.
+        return json.loads(
+            json.dumps(
+                {
+                    "epoch_sums": host["epoch_sums"],
+                    "data": train_loader.get_state(),
+                    "skipped": skipped,
+                    "step": step,
+                }
+            )
+        )
 
     def flush(step: int) -> None:
         """Fetch the metrics of the steps since the last flush (the only host sync)."""
@@ -464,7 +494,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
                     flush=True,
                 )
                 return {"preempted": step - 1}
-            state, metrics = train_step(state, engine.shard_batch(next(train_loader)))
+            batch = next(train_loader)
+            del batch["index"]  # record ids: for tests and debugging, not for the devices
+            state, metrics = train_step(state, engine.shard_batch(batch))
             pending.append((step, metrics))
             epoch_end = step % spe == 0
             if step % config.log_every_steps == 0 or epoch_end or step == total:

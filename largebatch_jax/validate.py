@@ -98,6 +98,12 @@ def validate_config(config: Any, num_devices: int) -> int:
             f"config.decay_epochs={tuple(config.decay_epochs)} go past "
             f"num_epochs={config.num_epochs}: lower them or raise num_epochs."
         )
+    applies = config.batch_size > config.base_batch_size and config.warmup != "none"
+    if applies and config.decay_epochs and config.warmup_epochs > min(config.decay_epochs):
+        raise ConfigError(
+            f"config.warmup_epochs={config.warmup_epochs} runs past the first decay at epoch "
+            f"{min(config.decay_epochs)}: shorten the warmup."
+        )
     try:
         micro = parallel.micro_batch_size(
             config.batch_size, num_devices, config.accum_steps, config.bn_group_size

@@ -369,3 +369,23 @@ def test_fashion_mnist_from_local_idx_files(fashion_mnist_dir):
 
     assert keyed(test_src.images[..., 0], test_src.labels) == keyed(idx_images, idx_labels)
     np.testing.assert_array_equal(np.bincount(train_src.labels), [6000] * 10)
+
+
+def test_grayscale_jpeg_becomes_rgb():
+    gray = (np.arange(100 * 120) % 251).astype(np.uint8).reshape(100, 120)
+    aug = loader.default_augmentation(sources.SPECS["imagenet2012"], 32)
+    assert aug.train(jpeg(gray), transforms.example_rng(0, 0, 0)).shape == (32, 32, 3)
+    assert aug.eval(jpeg(gray)).shape == (32, 32, 3)
+
+
+def test_imagenet_config_arguments():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from configs import imagenet
+
+    c = imagenet.get_config(
+        "batch_size=8192,warmup=constant,zero_init_residual=false,decay_epochs=30;60;85"
+    )
+    assert (c.batch_size, c.warmup, c.zero_init_residual) == (8192, "constant", False)
+    assert tuple(c.decay_epochs) == (30.0, 60.0, 85.0)
+    with pytest.raises(ValueError, match="unknown field 'batchsize'"):
+        imagenet.get_config("batchsize=8192")

@@ -28,7 +28,8 @@ from largebatch_jax.data.sources import DatasetSpec
 
 def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
     """Paper Remark 4: one random permutation of the whole training set per epoch."""
-    return np.random.default_rng([seed, epoch, 4]).permutation(num_examples)
+    # Four words, unlike example_rng's three: the two streams never coincide.
+    return np.random.default_rng([seed, epoch, 0, 4]).permutation(num_examples)
 
 
 def steps_per_epoch(num_examples: int, batch_size: int) -> int:
@@ -174,13 +175,9 @@ class TrainLoader:
         self._example = _TrainExample(
             source, augment, batch_size, seed, process_index, process_count
         )
-        self._fingerprint = dict(
-            num_examples=len(source),
-            batch_size=batch_size,
-            seed=seed,
-            process_index=process_index,
-            process_count=process_count,
-        )
+        # What the data order depends on (not the process layout: every process may
+        # restore the state that process 0 saved, and the layout may change on resume).
+        self._fingerprint = dict(num_examples=len(source), batch_size=batch_size, seed=seed)
         self.workers, self.threads, self.prefetch = workers, threads, prefetch
         self.step = 0
         self._iter: Iterator | None = None

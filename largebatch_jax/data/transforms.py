@@ -85,7 +85,8 @@ def decode_crop_resize(
         if image.format == "JPEG" and reduce >= 2:  # draft() at scale 1 only costs time
             image.draft("RGB", (max(1, full_w // reduce), max(1, full_h // reduce)))
         scale = image.size[0] / full_w
-    image = image.convert("RGB") if image.mode not in ("RGB", "L") else image
+    if isinstance(encoded, bytes | bytearray) and image.mode != "RGB":
+        image = image.convert("RGB")  # ImageNet has grayscale (and CMYK) JPEGs
     box = (left * scale, top * scale, (left + w) * scale, (top + h) * scale)
     out = image.resize((size, size), Image.BILINEAR, box=box)
     if flip is not None and flip():  # in PIL: a numpy flip + copy costs 10x more
