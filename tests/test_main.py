@@ -107,11 +107,20 @@ def test_smoke_end_to_end(tmp_path, fashion_mnist_dir):
     assert "done: top-1 error" in out.stdout
 
 
-def wait_for_checkpoint(proc, workdir, step, timeout=240):
+def start_until_checkpoint(workdir, data_dir, step, timeout=240):
+    """Start the 64-step run and return its process once checkpoint `step` exists."""
+    proc = subprocess.Popen(
+        command(workdir, data_dir, *LONGER),
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + timeout
     while time.time() < deadline:
         if any(s >= step for s in checkpoint_steps(workdir)):
-            return
+            return proc
         if proc.poll() is not None:
             raise AssertionError(f"run ended before checkpoint {step}: {proc.stderr.read()}")
         time.sleep(0.05)
@@ -120,15 +129,7 @@ def wait_for_checkpoint(proc, workdir, step, timeout=240):
 
 @pytest.mark.slow
 def test_sigkill_and_restart_is_bit_identical(tmp_path, fashion_mnist_dir, straight):
-    proc = subprocess.Popen(
-        command(tmp_path, fashion_mnist_dir, *LONGER),
-        cwd=ROOT,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    wait_for_checkpoint(proc, tmp_path, 8)
+    proc = start_until_checkpoint(tmp_path, fashion_mnist_dir, 8)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert not (tmp_path / "result.json").exists()  # killed in the middle of the run
@@ -148,15 +149,7 @@ def without_timing(rows):
 
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_resumes(tmp_path, fashion_mnist_dir, straight):
-    proc = subprocess.Popen(
-        command(tmp_path, fashion_mnist_dir, *LONGER),
-        cwd=ROOT,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    wait_for_checkpoint(proc, tmp_path, 8)
+    proc = start_until_checkpoint(tmp_path, fashion_mnist_dir, 8)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
