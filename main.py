@@ -15,28 +15,44 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from largebatch_jax import train
+from largebatch_jax import parallel, train
 from largebatch_jax.data.sources import DatasetNotPreparedError
 from largebatch_jax.validate import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and results.")
+_DISTRIBUTED = flags.DEFINE_enum(
+    "distributed",
+    "auto",
+    parallel.DISTRIBUTED_MODES,
+    "Multi-process runs through jax.distributed: 'auto' joins one when a flag below is "
+    "given or the environment is a multi-task SLURM step, an Open MPI job or a multi-host "
+    "Cloud TPU slice; 'on' always calls jax.distributed.initialize() (JAX detects the "
+    "rest); 'off' never.",
+)
 _COORDINATOR = flags.DEFINE_string(
-    "coordinator_address",
-    None,
-    "host:port of process 0, for multi-process runs where JAX "
-    "cannot detect the cluster (TPU, SLURM and Open MPI are detected).",
+    "coordinator_address", None, "host:port of process 0, where JAX cannot detect the cluster."
 )
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout_seconds",
+    60,
+    "A process silent this long is declared dead and the others stop with an error.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1:
-        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    parallel.initialize_distributed(
+        _DISTRIBUTED.value,
+        _COORDINATOR.value,
+        _NUM_PROCESSES.value,
+        _PROCESS_ID.value,
+        heartbeat_timeout_seconds=_HEARTBEAT.value,
+    )
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     config = _CONFIG.value

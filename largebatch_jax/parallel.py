@@ -9,11 +9,14 @@ both take the same replicated state and the same global batch and return the sam
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -57,11 +60,101 @@ def micro_batch_size(
     return micro
 
 
+DISTRIBUTED_MODES = ("auto", "on", "off")
+
+
+def detect_cluster(environ: Mapping[str, str] | None = None) -> str | None:
+    """The multi-process launcher this process runs under, from its environment: 'slurm'
+    (srun with more than one task), 'openmpi' (mpirun with more than one rank), 'tpu' (a
+    Cloud TPU slice of several hosts), 'jax' (JAX_COORDINATOR_ADDRESS set), or None."""
+    env = os.environ if environ is None else environ
+
+    def count(name: str) -> int:
+        try:
+            return int(env.get(name, "1").split("(")[0])
+        except ValueError:
+            return 1
+
+    if "SLURM_JOB_ID" in env and "SLURM_PROCID" in env and count("SLURM_NTASKS") > 1:
+        return "slurm"
+    if "OMPI_MCA_orte_hnp_uri" in env or count("OMPI_COMM_WORLD_SIZE") > 1:
+        return "openmpi"
+    if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
+        return "tpu"
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return "jax"
+    return None
+
+
+def initialize_distributed(
+    mode: str = "auto",
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    heartbeat_timeout_seconds: int = 60,
+    initialization_timeout_seconds: int = 300,
+    environ: Mapping[str, str] | None = None,
+) -> bool:
+    """Join the multi-process run (`jax.distributed.initialize`) if there is one.
+
+    mode 'on' always initialises (JAX fills in what the flags leave unset from the cluster:
+    TPU metadata, SLURM, Open MPI); 'off' never; 'auto' initialises when a flag is given or
+    `detect_cluster` finds a multi-process launcher. A process that stops sending
+    heartbeats for `heartbeat_timeout_seconds` is declared dead and the others stop with
+    an error instead of hanging. Returns whether it initialised.
+    """
+    if mode not in DISTRIBUTED_MODES:
+        raise ValueError(f"--distributed={mode!r} must be one of {DISTRIBUTED_MODES}.")
+    explicit = coordinator_address is not None or (num_processes or 1) > 1
+    if mode == "off" or (mode == "auto" and not explicit and detect_cluster(environ) is None):
+        return False
+    jax.distributed.initialize(
+        coordinator_address,
+        num_processes,
+        process_id,
+        initialization_timeout=initialization_timeout_seconds,
+        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+    )
+    return True
+
+
 def create_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh over all devices of all processes, in `jax.devices()` order (process-major,
-    so each process's devices hold a contiguous share of every global batch)."""
-    devices = list(jax.devices() if devices is None else devices)
+    """A 1-D mesh over all devices of all processes, ordered by (process, device id), so
+    that process p's devices hold the p-th contiguous share of every global batch, the
+    share `data.loader.process_share` gives it."""
+    devices = sorted(
+        jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id)
+    )
     return Mesh(np.array(devices), (AXIS,))
+
+
+def check_processes_agree(values: Mapping[str, Any]) -> None:
+    """Raise a ValueError naming the first entry of `values` (JSON-able) on which some
+    process differs from process 0: every process must run the same config on the same
+    number of devices, or the collectives would silently mix different computations."""
+    if jax.process_count() == 1:
+        return
+    mine = {k: json.dumps(v, sort_keys=True, default=str) for k, v in values.items()}
+    blob = np.frombuffer(json.dumps(mine, sort_keys=True).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(blob.size)))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: blob.size] = blob
+    gathered = np.asarray(multihost_utils.process_allgather(padded))
+    everyone = [json.loads(bytes(row[:n]).decode()) for row, n in zip(gathered, sizes, strict=True)]
+    for key in sorted(set().union(*everyone)):
+        reference = everyone[0].get(key)
+        for p, theirs in enumerate(everyone[1:], start=1):
+            if theirs.get(key) != reference:
+                raise ValueError(
+                    f"process {p} has {key}={_short(theirs.get(key))} but process 0 has "
+                    f"{_short(reference)}: start every process with the same command and "
+                    "the same number of devices."
+                )
+
+
+def _short(text: str | None, limit: int = 120) -> str:
+    text = "<missing>" if text is None else text
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class DataParallel:

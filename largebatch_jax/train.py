@@ -27,6 +27,7 @@ import numpy as np
 import optax
 from absl import logging
 from flax import linen as nn
+from jax.experimental import multihost_utils
 
 from largebatch_jax import optim, parallel, schedules
 from largebatch_jax.checkpoint import Checkpointer
@@ -226,14 +227,20 @@ class NonFiniteLossError(RuntimeError):
 
 
 class _Preemption:
-    """SIGTERM (a scheduler's preemption notice) sets a flag the loop reads between steps."""
+    """A scheduler's preemption notice (SIGTERM), read by the loop between steps.
+
+    One process: our handler sets a flag. Several: JAX's preemption sync service catches
+    SIGTERM on any process and makes all of them agree on the step to stop at, so they
+    save the same checkpoint together (a process stopping alone would hang the others).
+    """
 
     def __init__(self):
         self.requested = False
         self._previous = None
+        self._multi = jax.process_count() > 1
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        if not self._multi and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handler)
         return self
 
@@ -241,9 +248,30 @@ class _Preemption:
         del signum, frame
         self.requested = True
 
+    def reached(self, step: int) -> bool:
+        """Whether to save and stop after `step` (called once per step, on every process)."""
+        if self._multi:
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
+
     def __exit__(self, *exc):
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+
+
+# Fields that may differ between hosts (paths, host CPU threads): not part of the run.
+HOST_LOCAL_FIELDS = ("data_dir", "workers")
+
+
+def _check_processes_agree(config: Any) -> None:
+    values = {f"config.{k}": v for k, v in config.to_dict().items() if k not in HOST_LOCAL_FIELDS}
+    values["local devices"] = jax.local_device_count()
+    values["platform"] = jax.devices()[0].platform
+    values["jax version"] = jax.__version__
+    try:
+        parallel.check_processes_agree(values)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_workdir(workdir: Path) -> None:
@@ -347,6 +375,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     Returns the result (also written to workdir/result.json), or {'preempted': step}
     after a SIGTERM, with a checkpoint saved.
     """
+    _check_processes_agree(config)  # first: every process must then take the same path
     micro = validate_config(config, jax.device_count())
     engine = parallel.DataParallel(parallel.create_mesh(), config.parallelism)
     work = Path(workdir)
@@ -483,16 +512,17 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
         if start == 0:
             ckpt.save(0, state, host_state(0))  # a good state to fall back to from step 1
         for step in range(start + 1, total + 1):
-            if preemption.requested:
+            if preemption.reached(step - 1):
                 flush(step - 1)
                 ckpt.save(step - 1, state, host_state(step - 1))
                 ckpt.close()
                 writer.close()
-                print(
-                    f"preempted: checkpoint saved at step {step - 1} in {ckpt.directory}; "
-                    "rerun the same command to resume",
-                    flush=True,
-                )
+                if is_main:
+                    print(
+                        f"preempted: checkpoint saved at step {step - 1} in {ckpt.directory}; "
+                        "rerun the same command to resume",
+                        flush=True,
+                    )
                 return {"preempted": step - 1}
             batch = next(train_loader)
             del batch["index"]  # record ids: for tests and debugging, not for the devices

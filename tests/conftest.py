@@ -7,6 +7,11 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# pytest imports tracemalloc lazily to report an exception raised in a __del__; if that
+# happens inside tfds's lazy-import context (etils), the import itself fails and the test
+# errors (seen once in CI). Importing it first makes the report path import-free.
+import tracemalloc  # noqa: F401
+
 import jax
 import pytest
 

@@ -1,21 +1,29 @@
 """The training program end to end: `python main.py` as a researcher runs it, in
 subprocesses on 8 fake CPU devices, on real Fashion-MNIST."""
 
-import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from configs import smoke
+from largebatch_jax import train
 from largebatch_jax.metrics import read_metrics
 from largebatch_jax.train import paper_metric
+from largebatch_jax.validate import ConfigError
+from tests.runs import (
+    ROOT,
+    checkpoint_steps,
+    result,
+    run,
+    start,
+    wait_for_checkpoint,
+    without_timing,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
 TRAIN_KEYS = {
     "step",
     "epoch",
@@ -27,47 +35,6 @@ TRAIN_KEYS = {
     "images_per_sec",
 }
 EVAL_KEYS = {"step", "epoch", "val_error_top1", "val_error_top5", "val_loss"}
-
-
-def env():
-    return {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-    }
-
-
-def command(workdir, data_dir, *overrides, config="configs/smoke.py"):
-    return [
-        sys.executable,
-        "main.py",
-        f"--config={config}",
-        f"--workdir={workdir}",
-        f"--config.data_dir={data_dir}",
-        *overrides,
-    ]
-
-
-def run(workdir, data_dir, *overrides, config="configs/smoke.py", timeout=300):
-    return subprocess.run(
-        command(workdir, data_dir, *overrides, config=config),
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def result(workdir):
-    return json.loads((Path(workdir) / "result.json").read_text())
-
-
-def checkpoint_steps(workdir):
-    folder = Path(workdir) / "checkpoints"
-    return (
-        sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []
-    )
 
 
 LONGER = (  # 64 steps, an evaluation per epoch
@@ -107,24 +74,11 @@ def test_smoke_end_to_end(tmp_path, fashion_mnist_dir):
     assert "done: top-1 error" in out.stdout
 
 
-def start_until_checkpoint(workdir, data_dir, step, timeout=240):
+def start_until_checkpoint(workdir, data_dir, step):
     """Start the 64-step run and return its process once checkpoint `step` exists."""
-    proc = subprocess.Popen(
-        command(workdir, data_dir, *LONGER),
-        cwd=ROOT,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if any(s >= step for s in checkpoint_steps(workdir)):
-            return proc
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended before checkpoint {step}: {proc.stderr.read()}")
-        time.sleep(0.05)
-    raise AssertionError(f"no checkpoint {step} within {timeout} s")
+    proc = start(workdir, data_dir, *LONGER)
+    wait_for_checkpoint(proc, workdir, step)
+    return proc
 
 
 @pytest.mark.slow
@@ -143,10 +97,6 @@ def test_sigkill_and_restart_is_bit_identical(tmp_path, fashion_mnist_dir, strai
     assert without_timing(read_metrics(tmp_path)) == without_timing(read_metrics(straight))
 
 
-def without_timing(rows):
-    return [{k: v for k, v in r.items() if k != "images_per_sec"} for r in rows]
-
-
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_resumes(tmp_path, fashion_mnist_dir, straight):
     proc = start_until_checkpoint(tmp_path, fashion_mnist_dir, 8)
@@ -163,31 +113,44 @@ def test_sigterm_saves_a_checkpoint_and_resumes(tmp_path, fashion_mnist_dir, str
 
 
 BAD_CONFIGS = [
-    ("--config.warmup=linear", "warmup"),
-    ("--config.batch_size=60", "batch_size=60"),
-    ("--config.bn_group_size=16", "bn_group_size=16"),
-    ("--config.accum_steps=0", "accum_steps"),
-    ("--config.base_lr=-0.1", "base_lr"),
-    ("--config.model=resnet51", "model"),
-    ("--config.dataset=imagenet2013", "dataset"),
-    ("--config.num_epochs=0.0", "num_epochs"),
-    ("--config.momentum=1.5", "momentum"),
-    ("--config.weight_decay=-1.0", "weight_decay"),
-    ("--config.parallelism=pjit", "parallelism"),
-    ("--config.num_classes=1000", "num_classes"),
-    ("--config.decay_epochs=(1.0,5.0)", "decay_epochs"),
-    ("--config.eval_batch_size=100", "eval_batch_size"),
+    ("warmup", "linear"),
+    ("batch_size", 60),
+    ("bn_group_size", 16),
+    ("accum_steps", 0),
+    ("base_lr", -0.1),
+    ("model", "resnet51"),
+    ("dataset", "imagenet2013"),
+    ("num_epochs", 0.0),
+    ("momentum", 1.5),
+    ("weight_decay", -1.0),
+    ("parallelism", "pjit"),
+    ("num_classes", 1000),
+    ("decay_epochs", (1.0, 5.0)),
+    ("eval_batch_size", 100),
 ]
 
 
+@pytest.mark.parametrize("field,value", BAD_CONFIGS, ids=[f for f, _ in BAD_CONFIGS])
+def test_bad_config_is_one_line_naming_the_field(tmp_path, fashion_mnist_dir, field, value):
+    config = smoke.get_config()
+    config.data_dir = fashion_mnist_dir
+    with config.unlocked():
+        setattr(config, field, value)
+    with pytest.raises(ConfigError) as error:
+        train.train_and_evaluate(config, str(tmp_path / "wd"))
+    message = str(error.value)
+    assert "\n" not in message and f"{field}=" in message, message
+    assert not checkpoint_steps(tmp_path / "wd")  # failed before training
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("override,field", BAD_CONFIGS, ids=[f for _, f in BAD_CONFIGS])
+@pytest.mark.parametrize("override,field", [("--config.batch_size=60", "batch_size=60")])
 def test_bad_config_exits_2_with_one_line(tmp_path, fashion_mnist_dir, override, field):
     out = run(tmp_path / "wd", fashion_mnist_dir, override, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and field in errors[0], out.stderr[-2000:]
-    assert not checkpoint_steps(tmp_path / "wd")  # failed before training
+    assert not checkpoint_steps(tmp_path / "wd")
 
 
 @pytest.mark.slow

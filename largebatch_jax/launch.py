@@ -1,0 +1,218 @@
+"""Start a real multi-process JAX run on this machine: N processes x M CPU devices.
+
+    python -m largebatch_jax.launch --processes 2 --devices_per_process 4 -- \\
+        main.py --config=configs/smoke.py --workdir=/tmp/run
+
+Each process is the given command plus `--coordinator_address=127.0.0.1:PORT
+--num_processes=N --process_id=K`, with M fake CPU devices and gloo collectives, so the run
+goes through `jax.distributed` exactly as on a cluster (one process per host). Output is
+forwarded line by line with a `[pK]` prefix. If a process fails, the others get `--grace`
+seconds to stop on their own (JAX's coordination service reports the lost peer), then
+are killed; the launcher names the process that failed and exits non-zero. SIGTERM or
+Ctrl-C is forwarded to every process (a preemption: they agree on a step, save a
+checkpoint and exit 0); rerunning the same command resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(devices_per_process: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of one process: M fake CPU devices (any other device-count flag
+    removed), CPU platform, gloo collectives, unbuffered output, no TensorFlow INFO logs."""
+    env = dict(os.environ if base is None else base)
+    xla = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={devices_per_process}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's INFO banners, once per process
+    return env
+
+
+def process_command(
+    command: Sequence[str], coordinator: str, num_processes: int, process_id: int
+) -> list[str]:
+    """The command of process `process_id`: a `.py` script runs under this Python."""
+    head = [sys.executable, *command] if command[0].endswith(".py") else list(command)
+    return [
+        *head,
+        f"--coordinator_address={coordinator}",
+        f"--num_processes={num_processes}",
+        f"--process_id={process_id}",
+    ]
+
+
+# Gloo prints a line per device when the collectives connect (lines of two devices can
+# interleave): noise.
+_NOISE = re.compile(r"\[Gloo\] Rank|is connected to \d+ peer ranks")
+
+
+def _forward(stream: TextIO, out: TextIO, prefix: str, lock: threading.Lock) -> None:
+    for line in stream:
+        if _NOISE.search(line):
+            continue
+        with lock:
+            out.write(prefix + line)
+            out.flush()
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def launch(
+    command: Sequence[str],
+    processes: int,
+    devices_per_process: int,
+    port: int = 0,
+    grace: float = 10.0,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+) -> int:
+    """Run `command` as `processes` JAX processes; returns 0 when all succeed, else the
+    exit code of the first process that failed (128 + signal number if it was killed)."""
+    coordinator = f"127.0.0.1:{port or free_port()}"
+    env = process_env(devices_per_process)
+    lock = threading.Lock()
+    procs, threads = [], []
+    for k in range(processes):
+        proc = subprocess.Popen(
+            process_command(command, coordinator, processes, k),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        procs.append(proc)
+        for stream, target in ((proc.stdout, out), (proc.stderr, err)):
+            t = threading.Thread(target=_forward, args=(stream, target, f"[p{k}] ", lock))
+            t.start()
+            threads.append(t)
+
+    def note(message: str) -> None:
+        with lock:
+            err.write(f"[launch] {message}\n")
+            err.flush()
+
+    interrupts = 0
+
+    def on_signal(signum, frame):
+        # A preemption notice: every process must see it to agree on a checkpoint step.
+        nonlocal interrupts
+        del frame
+        interrupts += 1
+        sig = signal.SIGTERM if interrupts == 1 else signal.SIGKILL
+        note(f"received {signal.Signals(signum).name}: sending {sig.name} to all processes")
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    previous = {
+        s: signal.signal(s, on_signal)
+        for s in (signal.SIGTERM, signal.SIGINT)
+        if threading.current_thread() is threading.main_thread()
+    }
+    failed: tuple[int, int] | None = None  # (process, exit code)
+    deadline = None
+    try:
+        while [p.poll() for p in procs].count(None):  # polls every process, every time
+            if failed is None:
+                for k, p in enumerate(procs):
+                    if p.returncode not in (None, 0):
+                        failed = (k, p.returncode)
+                        note(
+                            f"process {k} (pid {p.pid}) {_describe(p.returncode)}; "
+                            f"stopping the others within {grace:g} s"
+                        )
+                        deadline = time.time() + grace
+                        break
+            if deadline is not None and time.time() > deadline:
+                for k, p in enumerate(procs):
+                    if p.poll() is None:
+                        note(f"killing process {k} (pid {p.pid}), still running")
+                        p.kill()
+                deadline = None
+            time.sleep(0.1)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for t in threads:
+            t.join()
+    if failed is None:
+        for k, p in enumerate(procs):
+            if p.returncode != 0:
+                failed = (k, p.returncode)
+                break
+    if failed is None:
+        return 0
+    k, code = failed
+    note(f"failed: process {k} {_describe(code)}")
+    return code if code > 0 else 128 - code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print(
+            "error: put the command after `--`, e.g. python -m largebatch_jax.launch "
+            "--processes 2 --devices_per_process 4 -- main.py --config=... --workdir=...",
+            file=sys.stderr,
+        )
+        return 2
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(
+        prog="python -m largebatch_jax.launch",
+        description="Run a command as N JAX processes x M CPU devices on this machine.",
+    )
+    parser.add_argument("--processes", type=int, required=True)
+    parser.add_argument("--devices_per_process", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds the others get to stop after one process fails, before they are killed",
+    )
+    args = parser.parse_args(argv[:split])
+    command = argv[split + 1 :]
+    for name in ("processes", "devices_per_process"):
+        if getattr(args, name) < 1:
+            parser.exit(2, f"error: --{name}={getattr(args, name)} must be at least 1.\n")
+    if args.grace < 0:
+        parser.exit(2, f"error: --grace={args.grace} must be >= 0.\n")
+    if not command:
+        parser.exit(2, "error: no command after `--`.\n")
+    return launch(command, args.processes, args.devices_per_process, args.port, args.grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Helpers for the end-to-end tests: run `main.py` (one process x 8 CPU devices) or the
+local launcher (N processes) in subprocesses, and read what a run left in its workdir."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = [sys.executable, "-m", "largebatch_jax.launch"]
+
+
+def env():
+    return {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
+
+
+def command(workdir, data_dir, *overrides, config="configs/smoke.py", processes=0, devices=8):
+    """`main.py` with a config and overrides; through the launcher when processes > 0."""
+    main = [
+        "main.py",
+        f"--config={config}",
+        f"--workdir={workdir}",
+        f"--config.data_dir={data_dir}",
+        *overrides,
+    ]
+    if processes:
+        return [
+            *LAUNCH,
+            f"--processes={processes}",
+            f"--devices_per_process={devices}",
+            "--",
+            *main,
+        ]
+    return [sys.executable, *main]
+
+
+def run(workdir, data_dir, *overrides, timeout=300, **kwargs):
+    return subprocess.run(
+        command(workdir, data_dir, *overrides, **kwargs),
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start(workdir, data_dir, *overrides, **kwargs):
+    return subprocess.Popen(
+        command(workdir, data_dir, *overrides, **kwargs),
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def result(workdir):
+    return json.loads((Path(workdir) / "result.json").read_text())
+
+
+def checkpoint_steps(workdir):
+    folder = Path(workdir) / "checkpoints"
+    return (
+        sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []
+    )
+
+
+def wait_for_checkpoint(proc, workdir, step, timeout=240):
+    """Return once a checkpoint >= `step` exists in `workdir`; fail if `proc` ends first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(s >= step for s in checkpoint_steps(workdir)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before checkpoint {step}: {proc.stderr.read()}")
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint {step} within {timeout} s")
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if k != "images_per_sec"} for r in rows]

@@ -1,0 +1,298 @@
+"""Multi-host, proven on one machine: real `jax.distributed` runs of 2 processes x 4 CPU
+devices (gloo collectives) started by the local launcher, against 1 process x 8 devices."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from largebatch_jax import launch, parallel
+from largebatch_jax.data import loader, sources
+from largebatch_jax.metrics import read_metrics
+from tests.runs import (
+    LAUNCH,
+    ROOT,
+    checkpoint_steps,
+    command,
+    env,
+    result,
+    run,
+    start,
+    wait_for_checkpoint,
+    without_timing,
+)
+
+TWO = {"processes": 2, "devices": 4}
+EVAL_PER_EPOCH = ("--config.eval_every_epochs=1.0",)  # smoke: 32 steps, 2 evaluations
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, fashion_mnist_dir):
+    workdir = tmp_path_factory.mktemp("one_process")
+    out = run(workdir, fashion_mnist_dir, *EVAL_PER_EPOCH)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, fashion_mnist_dir):
+    workdir = tmp_path_factory.mktemp("two_processes")
+    out = run(workdir, fashion_mnist_dir, *EVAL_PER_EPOCH, **TWO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return workdir, out
+
+
+def flat(tree):
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree.leaves_with_path(tree)}
+
+
+def final_state(workdir):
+    """The newest checkpoint's train state, on one device of this process (whatever
+    processes and devices saved it)."""
+    path = Path(workdir, "checkpoints", str(max(checkpoint_steps(workdir))), "state")
+    checkpointer = ocp.StandardCheckpointer()
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+        checkpointer.metadata(path).item_metadata,
+    )
+    return checkpointer.restore(path, target)
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process(one_process, two_processes):
+    workdir, out = two_processes
+    assert "devices=8 (local 4) processes=2" in out.stdout
+    # Only process 0 writes logs and results.
+    assert "[p0] done: top-1 error" in out.stdout and "[p1] done" not in out.stdout
+    assert not [line for line in out.stdout.splitlines() if line.startswith("[p1] step")]
+    ours, theirs = final_state(workdir), final_state(one_process)
+    assert int(ours["step"]) == int(theirs["step"]) == 32
+    flat_ours, flat_theirs = flat(ours), flat(theirs)
+    assert flat_ours.keys() == flat_theirs.keys()
+    for name, value in flat_ours.items():
+        # Same math, gloo's all-reduce instead of the in-process one: float reassociation.
+        np.testing.assert_allclose(value, flat_theirs[name], rtol=2e-5, atol=2e-6, err_msg=name)
+    rows, reference = (
+        without_timing(read_metrics(workdir)),
+        without_timing(read_metrics(one_process)),
+    )
+    assert [r["step"] for r in rows] == [r["step"] for r in reference]  # written once, not twice
+    for row, ref in zip(rows, reference, strict=True):
+        assert row.keys() == ref.keys()
+        for key, value in row.items():
+            assert value == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (row["step"], key)
+
+
+@pytest.mark.slow
+def test_processes_read_disjoint_shares_that_cover_the_epoch(tmp_path, fashion_mnist_dir):
+    """Remark 4 across processes: one epoch, each process its own share of every global
+    batch; assembled on the mesh, the global batches are the one-process ones."""
+    proc = subprocess.run(
+        [
+            *launch_command(2, 4),
+            "tests/multihost_probe.py",
+            f"--data_dir={fashion_mnist_dir}",
+            f"--out={tmp_path}",
+            "--batch_size=64",
+            "--subset=512",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    p0, p1 = (json.loads((tmp_path / f"p{k}.json").read_text()) for k in (0, 1))
+    assert p0["process_count"] == 2 and p0["devices"] == 8
+    read0 = [i for batch in p0["local"] for i in batch]
+    read1 = [i for batch in p1["local"] for i in batch]
+    assert len(read0) == len(read1) == 256
+    assert not set(read0) & set(read1)
+    assert sorted(read0 + read1) == list(range(512))
+    # The one-process loader's global batches, in order.
+    spec = sources.dataset_spec("fashion_mnist", fashion_mnist_dir)
+    src = sources.Subset(
+        sources.load_source("fashion_mnist", spec.train_split, fashion_mnist_dir), 512
+    )
+    single = loader.TrainLoader(
+        src, loader.default_augmentation(spec, 14, False), 64, seed=0, num_steps=8
+    )
+    expected = [np.asarray(next(single)["index"]).tolist() for _ in range(8)]
+    assert p0["global"] == p1["global"] == expected
+
+
+def launch_command(processes, devices, grace=10):
+    return [
+        *LAUNCH,
+        f"--processes={processes}",
+        f"--devices_per_process={devices}",
+        f"--grace={grace}",
+        "--",
+    ]
+
+
+def children(pid):
+    """(pid, command line) of the processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+@pytest.mark.slow
+def test_a_dead_process_stops_the_run_and_it_resumes(tmp_path, fashion_mnist_dir, two_processes):
+    proc = start(tmp_path, fashion_mnist_dir, *EVAL_PER_EPOCH, **TWO)
+    wait_for_checkpoint(proc, tmp_path, 8)
+    (victim,) = [pid for pid, cmd in children(proc.pid) if "--process_id=1" in cmd]
+    killed = time.time()
+    os.kill(victim, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=60)
+    elapsed = time.time() - killed
+    print(f"launcher exited {elapsed:.1f} s after process 1 was killed")
+    assert proc.returncode != 0 and elapsed < 60
+    assert "[launch] failed: process 1 was killed by SIGKILL" in stderr
+    assert not (tmp_path / "result.json").exists()
+    resumed_from = max(checkpoint_steps(tmp_path))
+    assert 8 <= resumed_from < 32
+    # The same launcher command resumes, to the uninterrupted run's exact parameters.
+    out = run(tmp_path, fashion_mnist_dir, *EVAL_PER_EPOCH, **TWO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming at step {resumed_from}" in out.stdout
+    assert result(tmp_path)["params_sha256"] == result(two_processes[0])["params_sha256"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_one_agreed_checkpoint(
+    tmp_path, fashion_mnist_dir, two_processes
+):
+    proc = start(tmp_path, fashion_mnist_dir, *EVAL_PER_EPOCH, **TWO)
+    wait_for_checkpoint(proc, tmp_path, 8)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    (line,) = [x for x in stdout.splitlines() if "preempted" in x]
+    saved = int(line.split("checkpoint saved at step ")[1].split()[0])
+    assert saved in checkpoint_steps(tmp_path) and saved < 32
+    out = run(tmp_path, fashion_mnist_dir, *EVAL_PER_EPOCH, **TWO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming at step {saved}" in out.stdout
+    assert result(tmp_path)["params_sha256"] == result(two_processes[0])["params_sha256"]
+
+
+@pytest.mark.slow
+def test_processes_with_different_configs_stop_with_exit_2(tmp_path, fashion_mnist_dir):
+    coordinator = f"127.0.0.1:{launch.free_port()}"
+    procs = [
+        subprocess.Popen(
+            launch.process_command(
+                command(tmp_path, fashion_mnist_dir, f"--config.seed={k}")[1:],
+                coordinator,
+                2,
+                k,
+            ),
+            cwd=ROOT,
+            env=launch.process_env(4, env()),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in (0, 1)
+    ]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (_, stderr) in zip(procs, outs, strict=True):
+        assert p.returncode == 2, stderr[-3000:]
+        (line,) = [x for x in stderr.splitlines() if x.startswith("error:")]
+        assert "process 1 has config.seed=1 but process 0 has 0" in line
+    assert not checkpoint_steps(tmp_path)
+
+
+# ------------------------------------------------------------------ the launcher alone
+
+SCRIPT = """
+import sys, time
+k = int([a for a in sys.argv if a.startswith("--process_id=")][0].split("=")[1])
+print("hello from", k, flush=True)
+if k == 1:
+    sys.exit(3)
+time.sleep(120)
+"""
+
+
+def test_launcher_names_the_failed_process_and_stops_the_others(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(SCRIPT)
+    began = time.time()
+    out = subprocess.run(
+        [*launch_command(2, 1, grace=1), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 3
+    assert time.time() - began < 30
+    assert "[p0] hello from 0" in out.stdout and "[p1] hello from 1" in out.stdout
+    assert "[launch] process 1" in out.stderr and "exited with code 3" in out.stderr
+    assert "killing process 0" in out.stderr
+
+
+def test_launcher_environment_and_command():
+    env_ = launch.process_env(4, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --a=b"})
+    assert env_["XLA_FLAGS"].split() == ["--a=b", "--xla_force_host_platform_device_count=4"]
+    assert env_["JAX_PLATFORMS"] == "cpu" and env_["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
+    cmd = launch.process_command(["main.py", "--workdir=w"], "127.0.0.1:5", 2, 1)
+    assert cmd == [
+        sys.executable,
+        "main.py",
+        "--workdir=w",
+        "--coordinator_address=127.0.0.1:5",
+        "--num_processes=2",
+        "--process_id=1",
+    ]
+    assert launch.main(["--processes=2", "--devices_per_process=4"]) == 2  # no `--`
+
+
+@pytest.mark.parametrize(
+    "environ,expected",
+    [
+        ({}, None),
+        ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "16"}, "slurm"),
+        ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, None),
+        ({"OMPI_COMM_WORLD_SIZE": "4"}, "openmpi"),
+        ({"OMPI_COMM_WORLD_SIZE": "1"}, None),
+        ({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3"}, "tpu"),
+        ({"TPU_WORKER_HOSTNAMES": "localhost"}, None),
+        ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, "jax"),
+    ],
+)
+def test_cluster_detection(environ, expected):
+    assert parallel.detect_cluster(environ) == expected
+
+
+def test_initialize_distributed_does_nothing_on_a_single_machine():
+    assert parallel.initialize_distributed("auto", environ={}) is False
+    assert parallel.initialize_distributed("off", "127.0.0.1:1", 2, 0) is False
+    with pytest.raises(ValueError, match="--distributed='maybe'"):
+        parallel.initialize_distributed("maybe")
+
+
+def test_mesh_is_process_major():
+    mesh = parallel.create_mesh(list(reversed(jax.devices())))
+    assert [d.id for d in mesh.devices.flat] == sorted(d.id for d in mesh.devices.flat)
