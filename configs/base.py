@@ -19,6 +19,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.width = 16  # first-stage channels of the CIFAR-style family only
     c.zero_init_residual = True  # rule 10
     c.dtype = "float32"
+    # How convs compute their kernel gradient: 'auto' = 'matmul' on CPU (per-tap matrix
+    # products, 1.6-3.3x faster steps on XLA:CPU), 'xla' on GPU/TPU. Same math.
+    c.conv_impl = "auto"
 
     # Minibatch geometry (rules 7, 9, 15).
     c.batch_size = 256  # kn
@@ -64,7 +67,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_every_epochs = 1.0
     c.checkpoint_every_steps = 1000
     c.keep_checkpoints = 3
-    c.result_last_epochs = 5  # the paper's metric: median top-1 error of the last 5 epochs
+    c.result_last_epochs = 5.0  # the paper's metric: median top-1 error of the last 5 epochs
     c.skip_nonfinite = False  # True: skip (and count) an update whose loss is not finite
 
     # Engine.

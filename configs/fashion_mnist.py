@@ -29,5 +29,5 @@ def get_config():
     c.eval_batch_size = 1000
     c.log_every_steps = 50
     c.checkpoint_every_steps = 200
-    c.result_last_epochs = 1  # one evaluation per epoch: the last epoch's
+    c.result_last_epochs = 1.0  # one evaluation per epoch: the last epoch's
     return c

@@ -30,5 +30,5 @@ def get_config():
     c.eval_every_epochs = 0.5
     c.checkpoint_every_steps = 8
     c.keep_checkpoints = 3
-    c.result_last_epochs = 2
+    c.result_last_epochs = 2.0
     return c

@@ -216,7 +216,16 @@ def model_from_config(config: Any) -> nn.Module:
         bn_momentum=config.bn_momentum,
         bn_epsilon=config.bn_epsilon,
         bn_axis_name=AXIS if config.bn_sync else None,
+        conv_impl=resolve_conv_impl(config.conv_impl, jax.default_backend()),
     )
+
+
+def resolve_conv_impl(conv_impl: str, backend: str) -> str:
+    """'auto': per-tap matmul kernel gradients on CPU, where XLA's own are slow; XLA's
+    convolutions (cuDNN, the TPU's) everywhere else."""
+    if conv_impl != "auto":
+        return conv_impl
+    return "matmul" if backend == "cpu" else "xla"
 
 
 # ----------------------------------------------------------------------------- the loop

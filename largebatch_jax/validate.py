@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from largebatch_jax import parallel, schedules
-from largebatch_jax.models.resnet import DTYPES, MODEL_NAMES
+from largebatch_jax.models.resnet import CONV_IMPLS, DTYPES, MODEL_NAMES
 from largebatch_jax.optim import OPTIMIZERS, UPDATE_FORMS
 
 
@@ -32,6 +32,11 @@ RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "width": ((int,), _positive, "> 0"),
     "zero_init_residual": ((bool,), None, ""),
     "dtype": ((str,), lambda v: v in DTYPES, f"one of {tuple(DTYPES)}"),
+    "conv_impl": (
+        (str,),
+        lambda v: v == "auto" or v in CONV_IMPLS,
+        f"'auto' or one of {tuple(CONV_IMPLS)}",
+    ),
     "batch_size": ((int,), _positive, "> 0"),
     "bn_group_size": ((int,), _positive, "> 0"),
     "accum_steps": ((int,), _positive, "> 0"),
@@ -70,7 +75,7 @@ RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "eval_every_epochs": ((float, int), _positive, "> 0"),
     "checkpoint_every_steps": ((int,), _positive, "> 0"),
     "keep_checkpoints": ((int,), _positive, "> 0"),
-    "result_last_epochs": ((float, int), _positive, "> 0"),
+    "result_last_epochs": ((float,), _positive, "> 0"),
     "skip_nonfinite": ((bool,), None, ""),
     "parallelism": (
         (str,),

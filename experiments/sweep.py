@@ -1,0 +1,403 @@
+"""Run a grid of configs, one workdir per run, and collect the results into tables and
+a figure.
+
+    python experiments/sweep.py --name=fig1 --config=configs/fashion_sweep.py \\
+        --grid=seed=0,1 --grid=warmup=gradual,none \\
+        --grid=batch_size=256,512,1024,2048,4096,8192 --plot=batch_size
+
+`--grid=FIELD=V1,V2,...` (repeatable; the first is the outermost loop, runs go in grid
+order) and `--set=FIELD=V` (every run) override config fields; values are parsed with the
+type of the field's default (tuples as `(a;b)` or `a;b`). A run is named by its overrides
+that differ from the config's defaults, so two sweeps asking for the same run share it
+(warmup settings do not count at kn <= base_batch_size, where rule 2 applies none).
+Runs go to RUNS/<config>/<run name>/ and are skipped once they have a result.json; an
+interrupted run resumes from its checkpoint, a failed one (e.g. diverged) is recorded in
+failed.json and not retried unless --retry_failed. Rerunning the same command therefore
+continues a sweep. Writes OUT/<name>.csv (one row per run), OUT/<name>.md (the paper's
+metric, mean +- std over seeds, per grid point) and, with --plot or --curves, OUT/<name>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import importlib.util
+import itertools
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from largebatch_jax.metrics import read_metrics  # noqa: E402
+
+METRIC = "val_error_top1_median_last_epochs"
+
+
+class SweepError(ValueError):
+    """Bad sweep arguments; one line."""
+
+
+def load_config(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location("sweep_config", ROOT / path)
+    if spec is None or not (ROOT / path).exists():
+        raise SweepError(f"--config={path} does not exist.")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def parse_value(field: str, text: str, default: Any) -> Any:
+    """`text` as the type of the config field's default."""
+    try:
+        if isinstance(default, bool):
+            if text not in ("True", "False", "true", "false"):
+                raise ValueError
+            return text in ("True", "true")
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+        if isinstance(default, tuple):
+            items = [x for x in text.strip("()").split(";") if x.strip()]
+            return tuple(type(default[0])(x) if default else float(x) for x in items)
+        return text
+    except ValueError:
+        raise SweepError(
+            f"{field}={text!r} is not a {type(default).__name__} like the default {default!r}."
+        ) from None
+
+
+def parse_assignment(text: str, config: Any, many: bool) -> tuple[str, list[Any]]:
+    if "=" not in text:
+        raise SweepError(f"{text!r} must be FIELD=VALUE{',VALUE...' if many else ''}.")
+    field, values = text.split("=", 1)
+    if field not in config:
+        raise SweepError(f"{field!r} is not a config field (see configs/base.py).")
+    parts = values.split(",") if many else [values]
+    return field, [parse_value(field, v, config[field]) for v in parts]
+
+
+def flag_value(value: Any) -> str:
+    """The --config.FIELD=... spelling of a value."""
+    if isinstance(value, tuple):
+        return "(" + ",".join(str(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    return str(value)
+
+
+def run_name(overrides: dict[str, Any], defaults: Any, devices: int | None) -> str:
+    """The overrides that change the config, sorted: the run's identity."""
+    inert = set()
+    if overrides.get("batch_size", defaults.batch_size) <= overrides.get(
+        "base_batch_size", defaults.base_batch_size
+    ):
+        inert = {"warmup", "warmup_epochs"}  # rule 2: no warmup at or below the base kn
+    parts = [
+        f"{k}={flag_value(v)}"
+        for k, v in sorted(overrides.items())
+        if defaults[k] != v and k not in inert
+    ]
+    if devices is not None and devices != 8:
+        parts.append(f"devices={devices}")
+    name = "-".join(parts) or "default"
+    return re.sub(r"[^A-Za-z0-9=.,_+-]", "", name.replace("(", "").replace(")", ""))
+
+
+def expand(grid: list[tuple[str, list[Any]]], fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    fields = [f for f, _ in grid]
+    return [
+        {**fixed, **dict(zip(fields, combo, strict=True))}
+        for combo in itertools.product(*[values for _, values in grid])
+    ]
+
+
+def run_one(config_path: str, workdir: Path, overrides: dict[str, Any], devices: int | None) -> str:
+    """Train one run (or resume it); returns 'done', 'diverged' or 'failed'."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "main.py",
+        f"--config={config_path}",
+        f"--workdir={workdir}",
+        *[f"--config.{k}={flag_value(v)}" for k, v in overrides.items()],
+    ]
+    env = dict(os.environ)
+    if devices is not None:  # fake CPU devices; on accelerators leave the platform alone
+        env["XLA_FLAGS"] = (
+            re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+            + f" --xla_force_host_platform_device_count={devices}"
+        ).strip()
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    with (workdir / "log.txt").open("a") as log:
+        log.write(f"$ {shlex.join(command)}\n")
+        log.flush()
+        code = subprocess.call(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if code == 0 and (workdir / "result.json").exists():
+        return "done"
+    text = (workdir / "log.txt").read_text()
+    status = "diverged" if "non-finite loss" in text else "failed"
+    (workdir / "failed.json").write_text(json.dumps({"status": status, "exit_code": code}))
+    return status
+
+
+def collect(run: dict) -> dict:
+    """One table row from a run's workdir."""
+    workdir = Path(run["workdir"])
+    row = {**run["overrides"], "run": workdir.name, "status": "pending"}
+    if (workdir / "result.json").exists():
+        result = json.loads((workdir / "result.json").read_text())
+        epochs = [r for r in read_metrics(workdir) if "epoch_train_error" in r]
+        row.update(
+            status="done",
+            error=result[METRIC],
+            final_error=result["final_val_error_top1"],
+            train_error=epochs[-1]["epoch_train_error"] if epochs else None,
+            steps=result["steps"],
+            peak_lr=result["peak_learning_rate"],
+            seconds=result.get("train_seconds_this_session"),
+        )
+    elif (workdir / "failed.json").exists():
+        row["status"] = json.loads((workdir / "failed.json").read_text())["status"]
+    return row
+
+
+def group_rows(rows: list[dict], fields: list[str]) -> list[dict]:
+    """Mean +- std of the metric over seeds, per combination of the other grid fields."""
+    keys = [f for f in fields if f != "seed"]
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(tuple(flag_value(row[k]) for k in keys), []).append(row)
+    out = []
+    for key, members in groups.items():
+        done = [r for r in members if r["status"] == "done"]
+        errors = np.array([r["error"] for r in done], dtype=float)
+        train = np.array([r["train_error"] for r in done if r["train_error"] is not None])
+        out.append(
+            {
+                **dict(zip(keys, key, strict=True)),
+                "runs": len(members),
+                "done": len(done),
+                "other": ", ".join(sorted({r["status"] for r in members} - {"done"})),
+                "mean": float(errors.mean()) if len(errors) else None,
+                "std": float(errors.std(ddof=1)) if len(errors) > 1 else None,
+                "train_mean": float(train.mean()) if len(train) else None,
+                "seeds": [r.get("seed") for r in done],
+            }
+        )
+    return out
+
+
+def pct(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{100 * value:.{digits}f}"
+
+
+def write_tables(name: str, out: Path, rows: list[dict], fields: list[str], command: str):
+    out.mkdir(parents=True, exist_ok=True)
+    columns = list(
+        dict.fromkeys(
+            [
+                *fields,
+                "run",
+                "status",
+                "error",
+                "final_error",
+                "train_error",
+                "steps",
+                "peak_lr",
+                "seconds",
+            ]
+        )
+    )
+    with (out / f"{name}.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, columns, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: flag_value(row.get(k, "")) for k in columns})
+    grouped = group_rows(rows, fields)
+    keys = [f for f in fields if f != "seed"]
+    seconds = sum(r.get("seconds") or 0 for r in rows)
+    lines = [
+        f"# {name}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Written {datetime.date.today().isoformat()}; {sum(r['status'] == 'done' for r in rows)}"
+        f" of {len(rows)} runs done; {seconds / 60:.0f} min of training in total. Error = the "
+        "paper's metric (median top-1 validation error of the evaluations in the last 5/90 "
+        "of training), in %, mean +- std over seeds.",
+        "",
+        "| "
+        + " | ".join([*keys, "top-1 error (%)", "seeds", "final train error (%)", "not done"])
+        + " |",
+        "|" + "---|" * (len(keys) + 4),
+    ]
+    for g in grouped:
+        spread = f" +- {pct(g['std'])}" if g["std"] is not None else ""
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    *[str(g[k]) for k in keys],
+                    f"{pct(g['mean'])}{spread}",
+                    str(g["done"]),
+                    pct(g["train_mean"]),
+                    g["other"] or "",
+                ]
+            )
+            + " |"
+        )
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    return grouped
+
+
+def plot(
+    name: str,
+    out: Path,
+    rows: list[dict],
+    fields: list[str],
+    x: str | None,
+    curves: bool,
+    title: str,
+) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [f for f in fields if f not in ("seed", x)]
+    panels = int(x is not None) + int(curves)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.2), squeeze=False)
+    axes = list(axes[0])
+    if x is not None:
+        ax = axes.pop(0)
+        for key, members in _by(rows, keys).items():
+            points = {}
+            for r in members:
+                if r["status"] == "done":
+                    points.setdefault(r[x], []).append(100 * r["error"])
+            xs = sorted(points)
+            if not xs:
+                continue
+            means = [np.mean(points[v]) for v in xs]
+            stds = [np.std(points[v], ddof=1) if len(points[v]) > 1 else 0 for v in xs]
+            ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=_label(keys, key))
+        if x == "batch_size":
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(x)
+        ax.set_ylabel("top-1 validation error (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if curves:
+        ax = axes.pop(0)
+        curve_keys = [f for f in fields if f != "seed"]
+        for key, members in _by(rows, curve_keys).items():
+            done = [r for r in members if r["status"] == "done"]
+            if not done:
+                continue
+            train = [r for r in read_metrics(done[0]["workdir"]) if "train_error" in r]
+            epochs = np.array([r["epoch"] for r in train])
+            errors = np.array([100 * r["train_error"] for r in train])
+            width = max(1, len(errors) // 30)  # smoothed, as the paper's curves
+            smooth = np.convolve(errors, np.ones(width) / width, mode="valid")
+            ax.plot(epochs[width - 1 :], smooth, label=_label(curve_keys, key))
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("training error (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _by(rows: list[dict], keys: list[str]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return groups
+
+
+def _label(keys: list[str], values: tuple) -> str:
+    return ", ".join(f"{k}={flag_value(v)}" for k, v in zip(keys, values, strict=True)) or "runs"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--name", required=True, help="table / figure file name")
+    parser.add_argument("--config", required=True, help="config file, relative to the repo")
+    parser.add_argument("--grid", action="append", default=[], help="FIELD=V1,V2,...")
+    parser.add_argument("--set", action="append", default=[], help="FIELD=VALUE for every run")
+    parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (0: real ones)")
+    parser.add_argument("--runs", default="experiments/runs", help="where run workdirs go")
+    parser.add_argument("--out", default="experiments/results", help="where tables go")
+    parser.add_argument("--plot", default=None, help="grid field for the x axis of a figure")
+    parser.add_argument("--curves", action="store_true", help="draw training-error curves")
+    parser.add_argument("--title", default="")
+    parser.add_argument("--collect_only", action="store_true", help="tables from what exists")
+    parser.add_argument("--retry_failed", action="store_true")
+    parser.add_argument("--dry_run", action="store_true", help="list the runs, train nothing")
+    args = parser.parse_args(argv)
+    command = shlex.join(
+        ["python", "experiments/sweep.py", *(sys.argv[1:] if argv is None else argv)]
+    )
+    try:
+        defaults = load_config(args.config)
+        grid = [parse_assignment(g, defaults, many=True) for g in args.grid]
+        fixed = dict(parse_assignment(s, defaults, many=False) for s in args.set)
+        fixed = {k: v[0] for k, v in fixed.items()}
+        if args.plot is not None and args.plot not in [f for f, _ in grid]:
+            raise SweepError(f"--plot={args.plot} is not one of the --grid fields.")
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    devices = args.devices or None
+    fields = [f for f, _ in grid]
+    root = ROOT / args.runs / Path(args.config).stem
+    runs = [
+        {"overrides": o, "workdir": str(root / run_name(o, defaults, devices))}
+        for o in expand(grid, fixed)
+    ]
+    began = time.time()
+    for i, run in enumerate(runs, 1):
+        workdir = Path(run["workdir"])
+        if (workdir / "result.json").exists():
+            state = "done"
+        elif (workdir / "failed.json").exists() and not args.retry_failed:
+            state = json.loads((workdir / "failed.json").read_text())["status"]
+        elif args.dry_run or args.collect_only:
+            state = "to run"
+        else:
+            (workdir / "failed.json").unlink(missing_ok=True)
+            started = time.time()
+            print(f"[{i}/{len(runs)}] {workdir.name}: training ...", flush=True)
+            state = run_one(args.config, workdir, run["overrides"], devices)
+            state += f" in {time.time() - started:.0f} s"
+        print(f"[{i}/{len(runs)}] {workdir.name}: {state}", flush=True)
+    if args.dry_run:
+        return 0
+    rows = [{**collect(r), "workdir": r["workdir"]} for r in runs]
+    out = ROOT / args.out
+    write_tables(args.name, out, rows, fields, command)
+    print(f"tables: {out / args.name}.md, .csv ({time.time() - began:.0f} s)")
+    if args.plot or args.curves:
+        print(f"figure: {plot(args.name, out, rows, fields, args.plot, args.curves, args.title)}")
+    # A diverged run is a result (Table 1's "no warmup" can diverge); a crash is not.
+    return 1 if any(r["status"] == "failed" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

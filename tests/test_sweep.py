@@ -1,0 +1,102 @@
+"""experiments/sweep.py on a 2 x 2 smoke grid: runs, skips finished runs, collects the
+paper's metric into the CSV / Markdown tables and draws the figure."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.runs import ROOT, env
+
+GRID = [
+    "--name=smoke_grid",
+    "--config=configs/smoke.py",
+    "--grid=batch_size=32,64",
+    "--grid=seed=0,1",
+    "--set=num_epochs=1.0",
+    "--set=decay_epochs=(0.5;0.75)",
+    "--set=warmup_epochs=0.125",
+    "--set=result_last_epochs=0.5",
+    "--plot=batch_size",
+    "--curves",
+]
+
+
+def sweep(tmp_path, data_dir, *args):
+    return subprocess.run(
+        [
+            sys.executable,
+            "experiments/sweep.py",
+            *args,
+            f"--runs={tmp_path / 'runs'}",
+            f"--out={tmp_path / 'results'}",
+        ],
+        cwd=ROOT,
+        env={**env(), "TFDS_DATA_DIR": data_dir},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+def test_sweep_runs_collects_and_resumes(tmp_path, fashion_mnist_dir):
+    out = sweep(tmp_path, fashion_mnist_dir, *GRID)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.count("training ...") == 4
+    results = tmp_path / "results"
+    with (results / "smoke_grid.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["batch_size"], r["seed"]) for r in rows] == [
+        ("32", "0"),
+        ("32", "1"),
+        ("64", "0"),
+        ("64", "1"),
+    ]
+    assert all(r["status"] == "done" for r in rows)
+    runs = tmp_path / "runs" / "smoke"
+    for r in rows:  # the table holds each run's own result.json
+        result = json.loads((runs / r["run"] / "result.json").read_text())
+        assert float(r["error"]) == pytest.approx(result["val_error_top1_median_last_epochs"])
+        assert result["batch_size"] == int(r["batch_size"])
+    # Markdown: one line per kn, mean +- std over the two seeds, and the command.
+    table = (results / "smoke_grid.md").read_text()
+    assert "python experiments/sweep.py --name=smoke_grid" in table
+    for kn in ("32", "64"):
+        errors = [100 * float(r["error"]) for r in rows if r["batch_size"] == kn]
+        (line,) = [x for x in table.splitlines() if x.startswith(f"| {kn} |")]
+        assert f"{np.mean(errors):.2f} +- {np.std(errors, ddof=1):.2f} | 2 |" in line
+    assert (results / "smoke_grid.png").stat().st_size > 10_000
+    # Rerun: everything is done, nothing trains, the tables are the same.
+    again = sweep(tmp_path, fashion_mnist_dir, *GRID)
+    assert again.returncode == 0 and "training ..." not in again.stdout
+    assert (results / "smoke_grid.md").read_text().split("\n", 4)[4] == table.split("\n", 4)[4]
+
+
+def test_sweep_rejects_unknown_fields_and_bad_values(tmp_path, fashion_mnist_dir):
+    for bad, words in [
+        ("--grid=batchsize=32", "'batchsize' is not a config field"),
+        ("--grid=batch_size=3x", "batch_size='3x' is not a int"),
+    ]:
+        out = sweep(tmp_path, fashion_mnist_dir, "--name=x", "--config=configs/smoke.py", bad)
+        assert out.returncode == 2
+        assert words in out.stderr, out.stderr[-1000:]
+
+
+def test_run_names_identify_runs():
+    sys.path.insert(0, str(ROOT))
+    from configs import smoke
+    from experiments import sweep as sweep_lib
+
+    defaults = smoke.get_config()
+    name = sweep_lib.run_name({"batch_size": 128, "seed": 0, "warmup": "none"}, defaults, 8)
+    assert name == "batch_size=128-warmup=none"  # seed 0 is the default
+    # At kn <= base_batch_size there is no warmup (rule 2): the same run either way.
+    assert sweep_lib.run_name({"batch_size": 32, "warmup": "none"}, defaults, 8) == (
+        sweep_lib.run_name({"batch_size": 32}, defaults, 8)
+    )
+    assert sweep_lib.run_name({}, defaults, 1) == "devices=1"
+    assert sweep_lib.parse_value("decay_epochs", "(1;2.5)", (30.0, 60.0)) == (1.0, 2.5)
