@@ -43,6 +43,9 @@ if str(ROOT) not in sys.path:
 from largebatch_jax.metrics import read_metrics  # noqa: E402
 
 METRIC = "val_error_top1_median_last_epochs"
+# `devices` is not a config field: the number of (fake CPU) devices a run uses, which
+# may go in --grid / --set / --extra like a field (the invariance experiment).
+DEFAULT_DEVICES = 8
 
 
 class SweepError(ValueError):
@@ -83,10 +86,17 @@ def parse_assignment(text: str, config: Any, many: bool) -> tuple[str, list[Any]
     if "=" not in text:
         raise SweepError(f"{text!r} must be FIELD=VALUE{',VALUE...' if many else ''}.")
     field, values = text.split("=", 1)
-    if field not in config:
+    if field != "devices" and field not in config:
         raise SweepError(f"{field!r} is not a config field (see configs/base.py).")
+    default = DEFAULT_DEVICES if field == "devices" else config[field]
     parts = values.split(",") if many else [values]
-    return field, [parse_value(field, v, config[field]) for v in parts]
+    return field, [parse_value(field, v, default) for v in parts]
+
+
+def parse_extra(text: str, config: Any) -> dict[str, Any]:
+    """--extra=F=V,F=V: one more run, beyond the grid."""
+    pairs = [parse_assignment(p, config, many=False) for p in text.split(",") if p]
+    return {k: v[0] for k, v in pairs}
 
 
 def flag_value(value: Any) -> str:
@@ -98,6 +108,7 @@ def flag_value(value: Any) -> str:
 
 def run_name(overrides: dict[str, Any], defaults: Any, devices: int | None) -> str:
     """The overrides that change the config, sorted: the run's identity."""
+    devices = overrides.get("devices", devices)
     inert = set()
     if overrides.get("batch_size", defaults.batch_size) <= overrides.get(
         "base_batch_size", defaults.base_batch_size
@@ -106,9 +117,9 @@ def run_name(overrides: dict[str, Any], defaults: Any, devices: int | None) -> s
     parts = [
         f"{k}={flag_value(v)}"
         for k, v in sorted(overrides.items())
-        if defaults[k] != v and k not in inert
+        if k != "devices" and defaults[k] != v and k not in inert
     ]
-    if devices is not None and devices != 8:
+    if devices is not None and devices != DEFAULT_DEVICES:
         parts.append(f"devices={devices}")
     name = "-".join(parts) or "default"
     return re.sub(r"[^A-Za-z0-9=.,_+-]", "", name.replace("(", "").replace(")", ""))
@@ -125,6 +136,8 @@ def expand(grid: list[tuple[str, list[Any]]], fixed: dict[str, Any]) -> list[dic
 def run_one(config_path: str, workdir: Path, overrides: dict[str, Any], devices: int | None) -> str:
     """Train one run (or resume it); returns 'done', 'diverged' or 'failed'."""
     workdir.mkdir(parents=True, exist_ok=True)
+    devices = overrides.get("devices", devices)
+    overrides = {k: v for k, v in overrides.items() if k != "devices"}
     command = [
         sys.executable,
         "main.py",
@@ -154,7 +167,7 @@ def run_one(config_path: str, workdir: Path, overrides: dict[str, Any], devices:
 def collect(run: dict) -> dict:
     """One table row from a run's workdir."""
     workdir = Path(run["workdir"])
-    row = {**run["overrides"], "run": workdir.name, "status": "pending"}
+    row = {**run["values"], "run": workdir.name, "status": "pending"}
     if (workdir / "result.json").exists():
         result = json.loads((workdir / "result.json").read_text())
         epochs = [r for r in read_metrics(workdir) if "epoch_train_error" in r]
@@ -341,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="config file, relative to the repo")
     parser.add_argument("--grid", action="append", default=[], help="FIELD=V1,V2,...")
     parser.add_argument("--set", action="append", default=[], help="FIELD=VALUE for every run")
+    parser.add_argument(
+        "--extra", action="append", default=[], help="F=V,F=V: one more run beyond the grid"
+    )
     parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (0: real ones)")
     parser.add_argument("--runs", default="experiments/runs", help="where run workdirs go")
     parser.add_argument("--out", default="experiments/results", help="where tables go")
@@ -359,18 +375,24 @@ def main(argv: list[str] | None = None) -> int:
         grid = [parse_assignment(g, defaults, many=True) for g in args.grid]
         fixed = dict(parse_assignment(s, defaults, many=False) for s in args.set)
         fixed = {k: v[0] for k, v in fixed.items()}
+        extras = [parse_extra(e, defaults) for e in args.extra]
         if args.plot is not None and args.plot not in [f for f, _ in grid]:
             raise SweepError(f"--plot={args.plot} is not one of the --grid fields.")
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     devices = args.devices or None
-    fields = [f for f, _ in grid]
+    fields = list(dict.fromkeys([f for f, _ in grid] + [k for e in extras for k in e]))
     root = ROOT / args.runs / Path(args.config).stem
     runs = [
         {"overrides": o, "workdir": str(root / run_name(o, defaults, devices))}
-        for o in expand(grid, fixed)
+        for o in [*expand(grid, fixed), *({**fixed, **e} for e in extras)]
     ]
+    for run in runs:  # table columns for fields a run does not set: the defaults
+        run["values"] = {
+            f: run["overrides"].get(f, devices if f == "devices" else defaults.get(f))
+            for f in fields
+        }
     began = time.time()
     for i, run in enumerate(runs, 1):
         workdir = Path(run["workdir"])

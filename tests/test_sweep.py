@@ -100,3 +100,19 @@ def test_run_names_identify_runs():
     )
     assert sweep_lib.run_name({}, defaults, 1) == "devices=1"
     assert sweep_lib.parse_value("decay_epochs", "(1;2.5)", (30.0, 60.0)) == (1.0, 2.5)
+
+
+def test_extra_runs_and_devices(tmp_path, fashion_mnist_dir):
+    out = sweep(
+        tmp_path,
+        fashion_mnist_dir,
+        "--name=x",
+        "--config=configs/smoke.py",
+        "--grid=warmup=none,gradual",
+        "--extra=batch_size=32",
+        "--extra=devices=1,accum_steps=8",
+        "--dry_run",
+    )
+    assert out.returncode == 0, out.stderr[-1000:]
+    names = [line.split("] ")[1].split(":")[0] for line in out.stdout.splitlines()]
+    assert names == ["warmup=none", "default", "batch_size=32", "accum_steps=8-devices=1"]

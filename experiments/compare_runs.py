@@ -1,0 +1,61 @@
+"""How far apart two runs' curves are: every logged training metric and every evaluation,
+step by step (the invariance experiment: the same kn on 8 devices and on 1 device with
+accumulation).
+
+    python experiments/compare_runs.py RUN_A RUN_B
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from largebatch_jax.metrics import read_metrics  # noqa: E402
+
+KEYS = ("train_loss", "train_error", "grad_norm", "param_norm", "val_error_top1", "val_loss")
+
+
+def compare(a: str, b: str) -> dict[str, tuple[int, float, float]]:
+    """Per metric: (points compared, max absolute difference, max relative difference)."""
+    rows_a = {(r["step"], tuple(sorted(r))): r for r in read_metrics(a)}
+    rows_b = {(r["step"], tuple(sorted(r))): r for r in read_metrics(b)}
+    shared = sorted(rows_a.keys() & rows_b.keys())
+    out = {}
+    for key in KEYS:
+        diffs = [
+            (abs(rows_a[s][key] - rows_b[s][key]), abs(rows_b[s][key]))
+            for s in shared
+            if key in rows_a[s]
+        ]
+        if diffs:
+            out[key] = (
+                len(diffs),
+                max(d for d, _ in diffs),
+                max(d / m for d, m in diffs if m) if any(m for _, m in diffs) else 0.0,
+            )
+    return out
+
+
+def main() -> int:
+    if len(sys.argv) != 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    a, b = sys.argv[1:]
+    print(f"{Path(a).name} vs {Path(b).name}")
+    for key, (n, absolute, relative) in compare(a, b).items():
+        print(f"  {key:15s} {n:5d} points  max |diff| {absolute:.3g}  max relative {relative:.3g}")
+    results = [json.loads((Path(r) / "result.json").read_text()) for r in (a, b)]
+    metric = "val_error_top1_median_last_epochs"
+    print(f"  paper metric    {results[0][metric]:.4f} vs {results[1][metric]:.4f}")
+    same = results[0]["params_sha256"] == results[1]["params_sha256"]
+    print(f"  final parameters bit-identical: {same}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
