@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from queue import Queue
 from typing import Any
 
 import jax
@@ -197,6 +199,28 @@ class DataParallel:
             return jax.make_array_from_process_local_data(self.sharded, x, global_shape)
 
         return jax.tree.map(put, local_batch)
+
+    def prefetch(self, local_batches: Iterator[Any], size: int = 2) -> Iterator[Any]:
+        """`shard_batch` of the next `size` batches in a background thread, so that the
+        host-to-device copy of batch t+1 overlaps the step on batch t. Yields
+        (global batch, whatever else the iterator yields alongside it) unchanged in order;
+        the iterator's items are (local_batch, extra) pairs."""
+        queue: Queue = Queue(maxsize=max(1, size))
+        done = object()
+
+        def produce():
+            try:
+                for local, extra in local_batches:
+                    queue.put((self.shard_batch(local), extra))
+            except BaseException as e:  # re-raised in the consumer
+                queue.put(e)
+            queue.put(done)
+
+        threading.Thread(target=produce, daemon=True).start()
+        while (item := queue.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
     def map(self, per_device_fn: Callable, donate_state: bool = False) -> Callable:
         """Run `per_device_fn(state, batch)` on every device: state replicated, batch split

@@ -1,0 +1,386 @@
+"""Train-step throughput: ours against a reference step written the way the Flax ImageNet
+example writes one, side by side in one process.
+
+    python experiments/benchmark.py --model=resnet50 --per_device_batch=4 --devices=8
+    python experiments/benchmark.py --model=resnet50 --per_device_batch=128 --devices=0 \\
+        --dtype=bfloat16                                    # the real devices (a GPU)
+    python experiments/benchmark.py --input=real --config=configs/fashion_mnist.py --devices=8
+
+Per implementation: compile time, steady-state step time (median of --steps after one
+warm-up step) and images/s, XLA's FLOPs per image and the implied achieved FLOP/s, and
+XLA's memory estimate per device. The reference is a plain linen ResNet v1.5 with
+`nn.BatchNorm(axis_name=...)` (statistics synchronised over the global batch),
+`optax.sgd` with Nesterov momentum, weight decay as an L2 term in the loss, under `jax.pmap`
+with `lax.pmean` of the gradients. Ours is `train.make_train_step` under
+`DataParallel.map` with per-worker BN, as `main.py` runs it (with `--conv_impl` both ways).
+
+`--input=real` times our training loop's input path on a config's dataset (loader ->
+`shard_batch` -> step) against the same step fed one synthetic batch over and over: the
+difference is the fraction of wall time the host keeps the devices waiting, with and
+without prefetching the next batch onto the devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--per_device_batch", type=int, default=4)
+    p.add_argument("--devices", type=int, default=8, help="fake CPU devices; 0 = real devices")
+    p.add_argument("--accum_steps", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--image_size", type=int, default=224)
+    p.add_argument("--num_classes", type=int, default=1000)
+    p.add_argument("--width", type=int, default=16, help="CIFAR-family width")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
+    p.add_argument("--repeats", type=int, default=1, help="alternate ours/reference this often")
+    p.add_argument("--conv_impl", default="both", choices=("both", "xla", "matmul", "auto"))
+    p.add_argument("--no_reference", action="store_true")
+    p.add_argument("--input", default="synthetic", choices=("synthetic", "real"))
+    p.add_argument("--config", default="configs/fashion_mnist.py", help="for --input=real")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.devices:  # before jax is imported
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
+    )
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import linen as nn  # noqa: E402
+
+from largebatch_jax import optim, parallel, schedules, train  # noqa: E402
+from largebatch_jax.models import create_model  # noqa: E402
+
+# ------------------------------------------------------------------ the reference step
+
+
+class _RefBottleneck(nn.Module):
+    features: int
+    strides: int
+    dtype: object
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
+        norm = functools.partial(
+            nn.BatchNorm,
+            use_running_average=not train,
+            momentum=0.9,
+            epsilon=1e-5,
+            dtype=self.dtype,
+            axis_name="batch",
+        )
+        y = nn.relu(norm()(conv(self.features, (1, 1))(x)))
+        y = nn.relu(norm()(conv(self.features, (3, 3), (self.strides,) * 2)(y)))
+        y = norm(scale_init=nn.initializers.zeros)(conv(self.features * 4, (1, 1))(y))
+        if x.shape != y.shape:
+            x = norm()(conv(self.features * 4, (1, 1), (self.strides,) * 2)(x))
+        return nn.relu(x + y)
+
+
+class ReferenceResNet50(nn.Module):
+    """ResNet-50 v1.5 as the Flax ImageNet example builds it: linen defaults for the conv
+    init, BN statistics synchronised over the pmap axis."""
+
+    num_classes: int = 1000
+    dtype: object = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Conv(64, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False, dtype=self.dtype)(
+            x.astype(self.dtype)
+        )
+        x = nn.BatchNorm(
+            use_running_average=not train,
+            momentum=0.9,
+            epsilon=1e-5,
+            dtype=self.dtype,
+            axis_name="batch",
+        )(x)
+        x = nn.max_pool(nn.relu(x), (3, 3), (2, 2), padding="SAME")
+        for i, blocks in enumerate((3, 4, 6, 3)):
+            for j in range(blocks):
+                x = _RefBottleneck(64 * 2**i, 2 if i > 0 and j == 0 else 1, self.dtype)(x, train)
+        x = nn.Dense(self.num_classes, dtype=self.dtype)(jnp.mean(x, axis=(1, 2)))
+        return x.astype(jnp.float32)
+
+
+def reference_step(model, learning_rate_fn, weight_decay=1e-4):
+    """One pmap'd SGD step in the Flax example's style (loss + L2, grads pmean'd)."""
+    tx = optax.sgd(learning_rate_fn, momentum=0.9, nesterov=True)
+
+    def step(state, batch):
+        params, batch_stats, opt_state, count = state
+
+        def loss_fn(params):
+            logits, updated = model.apply(
+                {"params": params, "batch_stats": batch_stats},
+                batch["image"],
+                mutable=["batch_stats"],
+            )
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+            l2 = sum(jnp.sum(p**2) for p in jax.tree.leaves(params) if p.ndim > 1)
+            return loss + 0.5 * weight_decay * l2, (logits, updated["batch_stats"])
+
+        (loss, (logits, new_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        grads = jax.lax.pmean(grads, "batch")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = jax.lax.pmean(
+            {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"])},
+            "batch",
+        )
+        return (params, new_stats, opt_state, count + 1), metrics
+
+    return tx, jax.pmap(step, axis_name="batch", donate_argnums=(0,))
+
+
+# ------------------------------------------------------------------ measurement
+
+
+def synthetic_batch(global_batch: int, image_size: int, channels: int, num_classes: int):
+    rng = np.random.default_rng(0)
+    return {
+        "image": rng.normal(size=(global_batch, image_size, image_size, channels)).astype(
+            np.float32
+        ),
+        "label": rng.integers(0, num_classes, global_batch).astype(np.int32),
+    }
+
+
+def compile_and_time(fn, state, batch, steps: int) -> dict:
+    """AOT-compile `fn`, run one warm-up step, then time `steps` steps one by one."""
+    began = time.perf_counter()
+    compiled = fn.lower(state, batch).compile()
+    compile_s = time.perf_counter() - began
+    state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        began = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - began)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    memory = compiled.memory_analysis()
+    return {
+        "compile_s": compile_s,
+        "step_s": statistics.median(times),
+        "flops": float(cost.get("flops", 0.0)) if cost else 0.0,
+        "memory_bytes": (
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            + memory.temp_size_in_bytes
+            - memory.alias_size_in_bytes
+            if memory is not None
+            else 0
+        ),
+        "state": state,
+    }
+
+
+def ours(args, conv_impl: str, engine) -> tuple:
+    model = create_model(
+        args.model,
+        args.num_classes,
+        min(args.per_device_batch // args.accum_steps, 32),
+        dtype=args.dtype,
+        width=args.width,
+        conv_impl=train.resolve_conv_impl(conv_impl, jax.default_backend()),
+    )
+    lr = schedules.scaled_learning_rate(0.1, 256, args.per_device_batch * engine.num_devices)
+    tx = optim.create_optimizer(lambda step: lr)
+    state = engine.replicate(
+        train.create_train_state(
+            jax.random.key(0), model, tx, (args.image_size, args.image_size, 3)
+        )
+    )
+    fn = engine.map(
+        train.make_train_step(model, tx, lambda s: lr, args.accum_steps), donate_state=True
+    )
+    return fn, state
+
+
+def reference(args, devices) -> tuple:
+    model = ReferenceResNet50(
+        args.num_classes, jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    )
+    tx, fn = reference_step(model, 0.1 * args.per_device_batch * len(devices) / 256)
+    variables = jax.jit(
+        lambda: model.init(
+            jax.random.key(0), jnp.zeros((1, args.image_size, args.image_size, 3)), train=False
+        )
+    )()
+    single = (
+        variables["params"],
+        variables["batch_stats"],
+        tx.init(variables["params"]),
+        jnp.zeros([], jnp.int32),
+    )
+    # One copy per device, laid out as pmap lays out its inputs.
+    state = jax.pmap(lambda x: x, devices=devices)(
+        jax.tree.map(lambda x: jnp.stack([x] * len(devices)), single)
+    )
+    return fn, state
+
+
+def report(name: str, m: dict, images_per_step: int, per_device: int) -> dict:
+    flops_per_image = m["flops"] / per_device if m["flops"] else 0.0
+    row = {
+        "name": name,
+        "images_per_s": images_per_step / m["step_s"],
+        "step_ms": 1000 * m["step_s"],
+        "compile_s": m["compile_s"],
+        "gflops_per_image": flops_per_image / 1e9,
+        "achieved_tflops": flops_per_image * images_per_step / m["step_s"] / 1e12,
+        "memory_mib": m["memory_bytes"] / 2**20,
+    }
+    print(
+        f"{name:34s} {row['images_per_s']:9.1f} img/s  step {row['step_ms']:8.1f} ms  "
+        f"compile {row['compile_s']:6.1f} s  {row['gflops_per_image']:6.2f} GFLOP/img  "
+        f"{row['achieved_tflops']:7.3f} TFLOP/s  {row['memory_mib']:8.1f} MiB/device",
+        flush=True,
+    )
+    return row
+
+
+def synthetic(args) -> int:
+    engine = parallel.DataParallel(parallel.create_mesh())
+    devices = list(engine.mesh.devices.flat)
+    d = engine.num_devices
+    global_batch = args.per_device_batch * d
+    print(
+        f"{args.model} | {d} x {devices[0].device_kind} ({jax.default_backend()}) | "
+        f"{args.per_device_batch} images/device, accum {args.accum_steps}, {args.dtype}, "
+        f"{args.image_size}x{args.image_size} | jax {jax.__version__} | "
+        f"{time.strftime('%Y-%m-%d')}",
+        flush=True,
+    )
+    host = synthetic_batch(global_batch, args.image_size, 3, args.num_classes)
+    impls = ["xla", "matmul"] if args.conv_impl == "both" else [args.conv_impl]
+    rows: dict[str, list[dict]] = {}
+    for _ in range(args.repeats):
+        for impl in impls:
+            fn, state = ours(args, impl, engine)
+            m = compile_and_time(fn, state, engine.shard_batch(host), args.steps)
+            rows.setdefault(f"ours (conv_impl={impl})", []).append(
+                report(f"ours (conv_impl={impl})", m, global_batch, args.per_device_batch)
+            )
+            del m
+        if not args.no_reference and args.model == "resnet50" and args.accum_steps == 1:
+            fn, state = reference(args, devices)
+            batch = jax.tree.map(lambda x: x.reshape(d, args.per_device_batch, *x.shape[1:]), host)
+            m = compile_and_time(fn, state, batch, args.steps)
+            rows.setdefault("reference (Flax example style)", []).append(
+                report("reference (Flax example style)", m, global_batch, args.per_device_batch)
+            )
+    if "reference (Flax example style)" in rows:
+        ref = statistics.median(r["images_per_s"] for r in rows["reference (Flax example style)"])
+        for name, rs in rows.items():
+            if name.startswith("ours"):
+                ratio = statistics.median(r["images_per_s"] for r in rs) / ref
+                print(f"ratio {name} / reference: {ratio:.2f}", flush=True)
+    return 0
+
+
+def real_input(args) -> int:
+    """Our loop's input path against the same step on a fixed device batch."""
+    import importlib.util
+
+    from largebatch_jax.data import loader, sources
+
+    spec_ = importlib.util.spec_from_file_location("config", ROOT / args.config)
+    module = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(module)
+    config = module.get_config()
+    engine = parallel.DataParallel(parallel.create_mesh())
+    spec = sources.dataset_spec(config.dataset, config.data_dir or sources.default_data_dir())
+    data_dir = config.data_dir or sources.default_data_dir()
+    src = sources.load_source(config.dataset, spec.train_split, data_dir)
+    augment = loader.default_augmentation(spec, config.image_size, config.color_augment)
+    model = train.model_from_config(config)
+    spe = loader.steps_per_epoch(len(src), config.batch_size)
+    lr_fn = schedules.create_learning_rate_schedule(config, spe)
+    tx = optim.optimizer_from_config(config, lr_fn)
+    shape = (config.image_size, config.image_size, config.channels)
+    step = engine.map(train.make_train_step(model, tx, lr_fn, config.accum_steps), True)
+    steps = max(args.steps, 20)
+    print(
+        f"{config.dataset} {config.model} kn={config.batch_size} on {engine.num_devices} "
+        f"devices, {steps} steps",
+        flush=True,
+    )
+
+    def fresh():
+        return engine.replicate(train.create_train_state(jax.random.key(0), model, tx, shape))
+
+    def feed(prefetch: int):
+        it = loader.TrainLoader(
+            src, augment, config.batch_size, config.seed, steps + 2, workers=config.workers
+        )
+        local = ({k: v for k, v in b.items() if k != "index"} for b in it)
+        if prefetch:
+            return (batch for batch, _ in engine.prefetch(((b, None) for b in local), prefetch))
+        return (engine.shard_batch(b) for b in local)
+
+    results = {}
+    for name, prefetch in (
+        ("synthetic (device-resident batch)", None),
+        ("real, no prefetch", 0),
+        ("real, prefetch 2", 2),
+    ):
+        state = fresh()
+        if prefetch is None:
+            fixed = next(feed(0))
+            batches = iter([fixed] * (steps + 1))
+        else:
+            batches = feed(prefetch)
+        state, metrics = step(state, next(batches))  # compile + warm-up
+        jax.block_until_ready(metrics)
+        began = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = step(state, next(batches))
+        jax.block_until_ready(metrics)
+        results[name] = (time.perf_counter() - began) / steps
+        print(
+            f"{name:36s} {1000 * results[name]:8.1f} ms/step  "
+            f"{config.batch_size / results[name]:8.0f} img/s",
+            flush=True,
+        )
+    base = results["synthetic (device-resident batch)"]
+    for name in ("real, no prefetch", "real, prefetch 2"):
+        print(
+            f"host keeps the devices waiting ({name}): "
+            f"{max(0.0, 1 - base / results[name]):.0%} of wall time",
+            flush=True,
+        )
+    return 0
+
+
+def main() -> int:
+    args = ARGS or parse_args()
+    return real_input(args) if args.input == "real" else synthetic(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
