@@ -72,4 +72,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     # Engine.
     c.parallelism = "shard_map"  # shard_map | pmap
+    # Batches put on the devices ahead of the step, from a background thread (0: none).
+    # Measured on CPU (experiments/benchmark.py --input=real): no gain, so off by default.
+    c.prefetch_batches = 0
     return c

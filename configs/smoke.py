@@ -31,4 +31,5 @@ def get_config():
     c.checkpoint_every_steps = 8
     c.keep_checkpoints = 3
     c.result_last_epochs = 2.0
+    c.prefetch_batches = 2  # the tests' runs (resume included) go through the prefetcher
     return c

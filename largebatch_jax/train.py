@@ -465,7 +465,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
             json.dumps(
                 {
                     "epoch_sums": host["epoch_sums"],
-                    "data": train_loader.get_state(),
+                    "data": loader_state,
                     "skipped": skipped,
                     "step": step,
                 }
@@ -517,6 +517,18 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
                 flush=True,
             )
 
+    def local_batches():
+        for batch in train_loader:
+            del batch["index"]  # record ids: for tests and debugging, not for the devices
+            yield batch, train_loader.get_state()  # the position after this batch
+
+    # The loader's position after the last batch trained on (what a checkpoint saves).
+    loader_state = train_loader.get_state()
+    if config.prefetch_batches:
+        device_batches = engine.prefetch(local_batches(), config.prefetch_batches)
+    else:
+        device_batches = ((engine.shard_batch(b), s) for b, s in local_batches())
+
     with _Preemption() as preemption:
         if start == 0:
             ckpt.save(0, state, host_state(0))  # a good state to fall back to from step 1
@@ -533,9 +545,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
                         flush=True,
                     )
                 return {"preempted": step - 1}
-            batch = next(train_loader)
-            del batch["index"]  # record ids: for tests and debugging, not for the devices
-            state, metrics = train_step(state, engine.shard_batch(batch))
+            batch, loader_state = next(device_batches)
+            state, metrics = train_step(state, batch)
             pending.append((step, metrics))
             epoch_end = step % spe == 0
             if step % config.log_every_steps == 0 or epoch_end or step == total:

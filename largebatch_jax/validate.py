@@ -76,6 +76,7 @@ RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "checkpoint_every_steps": ((int,), _positive, "> 0"),
     "keep_checkpoints": ((int,), _positive, "> 0"),
     "result_last_epochs": ((float,), _positive, "> 0"),
+    "prefetch_batches": ((int,), _non_negative, ">= 0"),
     "skip_nonfinite": ((bool,), None, ""),
     "parallelism": (
         (str,),

@@ -202,3 +202,19 @@ def test_bad_geometry_names_the_field_and_numbers(args, message):
 def test_bad_parallelism():
     with pytest.raises(ValueError, match="parallelism='pjit'"):
         parallel.DataParallel(parallel.create_mesh(), "pjit")
+
+
+def test_prefetch_keeps_order_and_extras_and_raises_errors():
+    engine = parallel.DataParallel(parallel.create_mesh())
+    items = [({"x": np.full((16, 2), i, np.float32)}, {"step": i}) for i in range(5)]
+    out = list(engine.prefetch(iter(items), size=2))
+    assert [extra["step"] for _, extra in out] == list(range(5))
+    assert [float(batch["x"][0, 0]) for batch, _ in out] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert out[0][0]["x"].sharding == engine.sharded
+
+    def broken():
+        yield items[0]
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        list(engine.prefetch(broken(), size=2))
