@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The paper's findings at small scale on real Fashion-MNIST (experiments/RESULTS.md):
-# every sweep of the results, in the order they were run. Resumable: a finished run is
+# every sweep behind the results. Resumable: a finished run is
 # skipped, an interrupted one resumes, so rerunning this script continues where it stopped.
 #
 #   bash experiments/small_scale.sh            # all (about 2 hours on 2 CPU cores)
@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 export TF_CPP_MIN_LOG_LEVEL=1
-KN=__KN__
+KN=512
 SWEEP="$PY experiments/sweep.py --config=configs/fashion_sweep.py"
 only=${1:-all}
 want() { [[ $only == all || $only == "$1" ]]; }
