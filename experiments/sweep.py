@@ -192,7 +192,7 @@ def group_rows(rows: list[dict], fields: list[str]) -> list[dict]:
     for row in rows:
         groups.setdefault(tuple(flag_value(row[k]) for k in keys), []).append(row)
     out = []
-    for key, members in groups.items():
+    for key, members in sorted(groups.items(), key=lambda kv: [_order(v) for v in kv[0]]):
         done = [r for r in members if r["status"] == "done"]
         errors = np.array([r["error"] for r in done], dtype=float)
         train = np.array([r["train_error"] for r in done if r["train_error"] is not None])
@@ -205,10 +205,19 @@ def group_rows(rows: list[dict], fields: list[str]) -> list[dict]:
                 "mean": float(errors.mean()) if len(errors) else None,
                 "std": float(errors.std(ddof=1)) if len(errors) > 1 else None,
                 "train_mean": float(train.mean()) if len(train) else None,
+                "peak_lr": done[0]["peak_lr"] if done else None,
                 "seeds": [r.get("seed") for r in done],
             }
         )
     return out
+
+
+def _order(value: str) -> tuple:
+    """Numbers in numeric order, before words (kept in the order given)."""
+    try:
+        return (0, float(value), "")
+    except ValueError:
+        return (1, 0.0, "")
 
 
 def pct(value: float | None, digits: int = 2) -> str:
@@ -251,9 +260,11 @@ def write_tables(name: str, out: Path, rows: list[dict], fields: list[str], comm
         "of training), in %, mean +- std over seeds.",
         "",
         "| "
-        + " | ".join([*keys, "top-1 error (%)", "seeds", "final train error (%)", "not done"])
+        + " | ".join(
+            [*keys, "peak lr", "top-1 error (%)", "seeds", "final train error (%)", "not done"]
+        )
         + " |",
-        "|" + "---|" * (len(keys) + 4),
+        "|" + "---|" * (len(keys) + 5),
     ]
     for g in grouped:
         spread = f" +- {pct(g['std'])}" if g["std"] is not None else ""
@@ -262,6 +273,7 @@ def write_tables(name: str, out: Path, rows: list[dict], fields: list[str], comm
             + " | ".join(
                 [
                     *[str(g[k]) for k in keys],
+                    "-" if g["peak_lr"] is None else f"{g['peak_lr']:.4g}",
                     f"{pct(g['mean'])}{spread}",
                     str(g["done"]),
                     pct(g["train_mean"]),
@@ -307,6 +319,8 @@ def plot(
             ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=_label(keys, key))
         if x == "batch_size":
             ax.set_xscale("log", base=2)
+            ticks = sorted({r[x] for r in rows})
+            ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_xlabel(x)
         ax.set_ylabel("top-1 validation error (%)")
         ax.grid(alpha=0.3)
@@ -367,8 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retry_failed", action="store_true")
     parser.add_argument("--dry_run", action="store_true", help="list the runs, train nothing")
     args = parser.parse_args(argv)
+    # The command that makes the table (not the flags that only read or list runs).
+    given = sys.argv[1:] if argv is None else argv
     command = shlex.join(
-        ["python", "experiments/sweep.py", *(sys.argv[1:] if argv is None else argv)]
+        ["python", "experiments/sweep.py"]
+        + [a for a in given if a not in ("--collect_only", "--dry_run")]
     )
     try:
         defaults = load_config(args.config)
