@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from queue import Empty, Queue
 from typing import TextIO
 
 
@@ -137,27 +138,35 @@ def launch(
         for s in (signal.SIGTERM, signal.SIGINT)
         if threading.current_thread() is threading.main_thread()
     }
+    # One waiter thread per process records exits in the order they happen: the first
+    # process to fail is the one to name, even if the others die a moment later because
+    # of it (a broken collective can abort them within the same instant).
+    exits: Queue = Queue()
+    for k, p in enumerate(procs):
+        threading.Thread(target=lambda k=k, p=p: exits.put((k, p.wait())), daemon=True).start()
     failed: tuple[int, int] | None = None  # (process, exit code)
     deadline = None
+    running = len(procs)
     try:
-        while [p.poll() for p in procs].count(None):  # polls every process, every time
-            if failed is None:
-                for k, p in enumerate(procs):
-                    if p.returncode not in (None, 0):
-                        failed = (k, p.returncode)
-                        note(
-                            f"process {k} (pid {p.pid}) {_describe(p.returncode)}; "
-                            f"stopping the others within {grace:g} s"
-                        )
-                        deadline = time.time() + grace
-                        break
+        while running:
+            try:
+                k, code = exits.get(timeout=0.1)
+                running -= 1
+                if code != 0 and failed is None:
+                    failed = (k, code)
+                    note(
+                        f"process {k} (pid {procs[k].pid}) {_describe(code)}; "
+                        f"stopping the others within {grace:g} s"
+                    )
+                    deadline = time.time() + grace
+            except Empty:
+                pass
             if deadline is not None and time.time() > deadline:
-                for k, p in enumerate(procs):
+                for j, p in enumerate(procs):
                     if p.poll() is None:
-                        note(f"killing process {k} (pid {p.pid}), still running")
+                        note(f"killing process {j} (pid {p.pid}), still running")
                         p.kill()
                 deadline = None
-            time.sleep(0.1)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -167,11 +176,6 @@ def launch(
             p.wait()
         for t in threads:
             t.join()
-    if failed is None:
-        for k, p in enumerate(procs):
-            if p.returncode != 0:
-                failed = (k, p.returncode)
-                break
     if failed is None:
         return 0
     k, code = failed
