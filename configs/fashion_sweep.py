@@ -1,15 +1,17 @@
 """The base of the small-scale reproductions (experiments/small_scale.sh): the README's
-Fashion-MNIST job trained for 6 epochs instead of 4, the paper's 90-epoch schedule scaled
+Fashion-MNIST job trained for 10 epochs instead of 4, the paper's 90-epoch schedule scaled
 to them (warmup 5/90, decays at 30/90, 60/90, 80/90 of training), an evaluation every
-half epoch, and the paper's metric over the last 5/90 of training (the final evaluation).
+half epoch, and the paper's metric over the last 5/90 of training (the evaluations at 9.5 and 10).
 
 kn=256 with n=32 and lr 0.1 is the paper's baseline recipe; the sweeps vary kn (with the
 linear scaling rule), the warmup, the lr rule, zero-gamma and the update form.
+experiments/small_scale.sh runs them on 2 fake CPU devices (1.4x faster than 8 on 2 cores;
+the update does not depend on the device count).
 """
 
 from configs import fashion_mnist
 
-EPOCHS = 6.0
+EPOCHS = 10.0
 
 
 def get_config():

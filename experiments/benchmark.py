@@ -45,7 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, default=16, help="CIFAR-family width")
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     p.add_argument("--repeats", type=int, default=1, help="alternate ours/reference this often")
-    p.add_argument("--conv_impl", default="both", choices=("both", "xla", "matmul", "auto"))
+    p.add_argument("--conv_impl", default="both", choices=("both", "xla", "matmul"))
+    p.add_argument("--accum_loop", default="auto", choices=("auto", "scan", "unroll"))
     p.add_argument("--no_reference", action="store_true")
     p.add_argument("--input", default="synthetic", choices=("synthetic", "real"))
     p.add_argument("--config", default="configs/fashion_mnist.py", help="for --input=real")
@@ -206,7 +207,7 @@ def ours(args, conv_impl: str, engine) -> tuple:
         min(args.per_device_batch // args.accum_steps, 32),
         dtype=args.dtype,
         width=args.width,
-        conv_impl=train.resolve_conv_impl(conv_impl, jax.default_backend()),
+        conv_impl=conv_impl,
     )
     lr = schedules.scaled_learning_rate(0.1, 256, args.per_device_batch * engine.num_devices)
     tx = optim.create_optimizer(lambda step: lr)
@@ -216,7 +217,14 @@ def ours(args, conv_impl: str, engine) -> tuple:
         )
     )
     fn = engine.map(
-        train.make_train_step(model, tx, lambda s: lr, args.accum_steps), donate_state=True
+        train.make_train_step(
+            model,
+            tx,
+            lambda s: lr,
+            args.accum_steps,
+            parallel.resolve_accum_loop(args.accum_loop, jax.default_backend()),
+        ),
+        donate_state=True,
     )
     return fn, state
 

@@ -107,8 +107,9 @@ def flag_value(value: Any) -> str:
 
 
 def run_name(overrides: dict[str, Any], defaults: Any, devices: int | None) -> str:
-    """The overrides that change the config, sorted: the run's identity."""
-    devices = overrides.get("devices", devices)
+    """The overrides that change the config, sorted: the run's identity. `devices` is the
+    sweep's device count: a run names its own only where it differs (the update does not
+    depend on it, DESIGN.md; `check_devices` keeps two counts from sharing a workdir)."""
     inert = set()
     if overrides.get("batch_size", defaults.batch_size) <= overrides.get(
         "base_batch_size", defaults.base_batch_size
@@ -119,8 +120,8 @@ def run_name(overrides: dict[str, Any], defaults: Any, devices: int | None) -> s
         for k, v in sorted(overrides.items())
         if k != "devices" and defaults[k] != v and k not in inert
     ]
-    if devices is not None and devices != DEFAULT_DEVICES:
-        parts.append(f"devices={devices}")
+    if overrides.get("devices", devices) != devices:
+        parts.append(f"devices={overrides['devices']}")
     name = "-".join(parts) or "default"
     return re.sub(r"[^A-Za-z0-9=.,_+-]", "", name.replace("(", "").replace(")", ""))
 
@@ -131,6 +132,21 @@ def expand(grid: list[tuple[str, list[Any]]], fixed: dict[str, Any]) -> list[dic
         {**fixed, **dict(zip(fields, combo, strict=True))}
         for combo in itertools.product(*[values for _, values in grid])
     ]
+
+
+def check_devices(workdir: Path, devices: int | None, record_it: bool = True) -> None:
+    """A workdir trains on one device count: record it, refuse another."""
+    record = workdir / "devices.json"
+    if record.exists():
+        had = json.loads(record.read_text())["devices"]
+        if had != devices:
+            raise SweepError(
+                f"{workdir} was trained on devices={had}, this sweep asks for {devices}: "
+                f"rerun with --devices={had or 0} or use another --runs folder."
+            )
+    elif record_it:
+        workdir.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps({"devices": devices}))
 
 
 def run_one(config_path: str, workdir: Path, overrides: dict[str, Any], devices: int | None) -> str:
@@ -411,6 +427,16 @@ def main(argv: list[str] | None = None) -> int:
             for f in fields
         }
     began = time.time()
+    try:
+        for run in runs:
+            check_devices(
+                Path(run["workdir"]),
+                run["overrides"].get("devices", devices),
+                record_it=not (args.dry_run or args.collect_only),
+            )
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     for i, run in enumerate(runs, 1):
         workdir = Path(run["workdir"])
         if (workdir / "result.json").exists():

@@ -24,6 +24,18 @@ from jax.sharding import PartitionSpec as P
 
 AXIS = "data"
 PARALLELISMS = ("shard_map", "pmap")
+ACCUM_LOOPS = ("scan", "unroll")
+
+
+def resolve_accum_loop(accum_loop: str, backend: str) -> str:
+    """'auto': a Python loop on CPU, `lax.scan` elsewhere. XLA:CPU runs the model several
+    times slower inside a while loop (the lowering of scan) than as straight-line code:
+    measured here on ResNet-8 (kn=256, 14x14, 1 device), 290-520 ms per step under a
+    length-1 scan against 44-65 ms without it. On GPU/TPU the scan keeps compile time
+    independent of accum_steps (kn=8k on 8 GPUs accumulates 32 micro-steps)."""
+    if accum_loop != "auto":
+        return accum_loop
+    return "unroll" if backend == "cpu" else "scan"
 
 
 def micro_batch_size(

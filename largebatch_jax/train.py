@@ -94,12 +94,18 @@ def make_train_step(
     tx: optax.GradientTransformation,
     learning_rate_fn: optax.Schedule,
     accum_steps: int = 1,
+    accum_loop: str = "scan",
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """The per-device SGD update; map it over devices with `DataParallel.map`.
 
     batch: {'image': [accum_steps * micro, H, W, C], 'label': [accum_steps * micro]}.
     Returns the new state (identical on every device) and metrics averaged over kn.
+    `accum_loop`: the micro-steps as one `lax.scan` ('scan': one copy of the model in the
+    program, whatever accum_steps is) or as a Python loop ('unroll': accum_steps copies).
+    Same sums in the same order; see `parallel.resolve_accum_loop` for which is faster where.
     """
+    if accum_loop not in parallel.ACCUM_LOOPS:
+        raise ValueError(f"accum_loop={accum_loop!r} is not one of {parallel.ACCUM_LOOPS}.")
 
     def loss_fn(params, batch_stats, images, labels):
         logits, updated = model.apply(
@@ -127,18 +133,25 @@ def make_train_step(
         # the replicated value, shard_map would psum it implicitly.)
         local_params = _varying(state.params)
 
-        def micro_step(sums, xy):
-            x, y = xy
+        def micro_step(x, y):
             # Every micro-step starts from the same BN statistics: each group is one
             # worker's update of the old running averages, later averaged (DESIGN.md 4).
             (loss, (logits, stats)), grads = grad_fn(local_params, state.batch_stats, x, y)
-            new = (grads, stats, loss, topk_errors(logits, y, 1).mean())
-            return jax.tree.map(jnp.add, sums, new), None
+            return grads, stats, loss, topk_errors(logits, y, 1).mean()
 
-        zeros = jax.tree.map(
-            jnp.zeros_like, (state.params, state.batch_stats, jnp.float32(0), jnp.float32(0))
-        )
-        sums, _ = jax.lax.scan(micro_step, _varying(zeros), (images, labels))
+        if accum_loop == "unroll":
+            sums = micro_step(images[0], labels[0])
+            for i in range(1, accum_steps):
+                sums = jax.tree.map(jnp.add, sums, micro_step(images[i], labels[i]))
+        else:
+            zeros = jax.tree.map(
+                jnp.zeros_like, (state.params, state.batch_stats, jnp.float32(0), jnp.float32(0))
+            )
+            sums, _ = jax.lax.scan(
+                lambda sums, xy: (jax.tree.map(jnp.add, sums, micro_step(*xy)), None),
+                _varying(zeros),
+                (images, labels),
+            )
         grads, batch_stats, loss, error = jax.lax.pmean(
             jax.tree.map(lambda s: s / accum_steps, sums), AXIS
         )
@@ -216,16 +229,8 @@ def model_from_config(config: Any) -> nn.Module:
         bn_momentum=config.bn_momentum,
         bn_epsilon=config.bn_epsilon,
         bn_axis_name=AXIS if config.bn_sync else None,
-        conv_impl=resolve_conv_impl(config.conv_impl, jax.default_backend()),
+        conv_impl=config.conv_impl,
     )
-
-
-def resolve_conv_impl(conv_impl: str, backend: str) -> str:
-    """'auto': per-tap matmul kernel gradients on CPU, where XLA's own are slow; XLA's
-    convolutions (cuDNN, the TPU's) everywhere else."""
-    if conv_impl != "auto":
-        return conv_impl
-    return "matmul" if backend == "cpu" else "xla"
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -449,7 +454,14 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     if is_main:
         print(summary, flush=True)
     train_step = engine.map(
-        make_train_step(model, tx, lr_fn, config.accum_steps), donate_state=True
+        make_train_step(
+            model,
+            tx,
+            lr_fn,
+            config.accum_steps,
+            parallel.resolve_accum_loop(config.accum_loop, jax.default_backend()),
+        ),
+        donate_state=True,
     )
     eval_step = engine.map(make_eval_step(model))
     writer = MetricWriter(work, is_main)

@@ -117,6 +117,7 @@ BAD_CONFIGS = [
     ("batch_size", 60),
     ("bn_group_size", 16),
     ("accum_steps", 0),
+    ("accum_loop", "while"),
     ("base_lr", -0.1),
     ("model", "resnet51"),
     ("dataset", "imagenet2013"),

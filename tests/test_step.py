@@ -62,11 +62,21 @@ def initial_state():
 
 
 @functools.cache
-def run(devices, accum_steps, parallelism="shard_map", bn_group_size=N, bn_sync=False, steps=2):
+def run(
+    devices,
+    accum_steps,
+    parallelism="shard_map",
+    bn_group_size=N,
+    bn_sync=False,
+    steps=2,
+    accum_loop="scan",
+):
     engine = parallel.DataParallel(parallel.create_mesh(jax.devices()[:devices]), parallelism)
     parallel.micro_batch_size(KN, devices, accum_steps, bn_group_size)
     net = model(bn_group_size, bn_sync)
-    step = engine.map(train.make_train_step(net, TX, LR_FN, accum_steps), donate_state=True)
+    step = engine.map(
+        train.make_train_step(net, TX, LR_FN, accum_steps, accum_loop), donate_state=True
+    )
     state = engine.replicate(initial_state())
     history = []
     for batch in BATCHES[:steps]:
@@ -102,6 +112,29 @@ def test_update_depends_on_kn_and_n_not_on_devices(devices, accum_steps):
     # ... and the update did move everything (the comparison is not vacuous).
     assert max_rel_diff(ref_state.params, initial_state().params) > 1e-3
     assert max_rel_diff(ref_state.batch_stats, initial_state().batch_stats) > 1e-2
+
+
+@pytest.mark.parametrize("devices,accum_steps", [(2, 2), (1, 8)])
+def test_unrolled_accumulation_is_the_scanned_one(devices, accum_steps):
+    # The CPU default (a Python loop over micro-steps) adds the same terms in the same
+    # order as lax.scan, and both equal the 8-device update without accumulation.
+    scanned, ms = run(devices, accum_steps, accum_loop="scan")
+    unrolled, mu = run(devices, accum_steps, accum_loop="unroll")
+    assert_trees_close(unrolled.params, scanned.params, rtol=1e-6, atol=1e-7)
+    assert_trees_close(unrolled.batch_stats, scanned.batch_stats, rtol=1e-6, atol=1e-7)
+    assert_trees_close(mu, ms, rtol=1e-6, atol=1e-7)
+    ref, _ = run(8, 1, accum_loop="unroll")
+    assert_trees_close(unrolled.params, ref.params)
+    assert int(unrolled.step) == 2
+
+
+def test_accum_loop_is_checked_and_auto_unrolls_on_cpu_only():
+    assert parallel.resolve_accum_loop("auto", "cpu") == "unroll"
+    assert parallel.resolve_accum_loop("auto", "gpu") == "scan"
+    assert parallel.resolve_accum_loop("auto", "tpu") == "scan"
+    assert parallel.resolve_accum_loop("scan", "cpu") == "scan"
+    with pytest.raises(ValueError, match="accum_loop='loop' is not one of"):
+        train.make_train_step(model(), TX, LR_FN, 2, "loop")
 
 
 def test_per_worker_bn_differs_from_global_batch_bn():

@@ -98,7 +98,10 @@ def test_run_names_identify_runs():
     assert sweep_lib.run_name({"batch_size": 32, "warmup": "none"}, defaults, 8) == (
         sweep_lib.run_name({"batch_size": 32}, defaults, 8)
     )
-    assert sweep_lib.run_name({}, defaults, 1) == "devices=1"
+    # A run names its device count only where it differs from the sweep's.
+    assert sweep_lib.run_name({}, defaults, 1) == "default"
+    assert sweep_lib.run_name({"devices": 1}, defaults, 8) == "devices=1"
+    assert sweep_lib.run_name({"devices": 2}, defaults, 2) == "default"
     assert sweep_lib.parse_value("decay_epochs", "(1;2.5)", (30.0, 60.0)) == (1.0, 2.5)
 
 
@@ -116,3 +119,14 @@ def test_extra_runs_and_devices(tmp_path, fashion_mnist_dir):
     assert out.returncode == 0, out.stderr[-1000:]
     names = [line.split("] ")[1].split(":")[0] for line in out.stdout.splitlines()]
     assert names == ["warmup=none", "default", "batch_size=32", "accum_steps=8-devices=1"]
+
+
+def test_a_workdir_keeps_its_device_count(tmp_path, fashion_mnist_dir):
+    args = ["--name=x", "--config=configs/smoke.py", "--grid=seed=0", "--dry_run"]
+    workdir = tmp_path / "runs" / "smoke" / "default"
+    workdir.mkdir(parents=True)
+    (workdir / "devices.json").write_text('{"devices": 8}')
+    assert sweep(tmp_path, fashion_mnist_dir, *args).returncode == 0
+    out = sweep(tmp_path, fashion_mnist_dir, *args, "--devices=2")
+    assert out.returncode == 2
+    assert "was trained on devices=8, this sweep asks for 2: rerun with --devices=8" in out.stderr

@@ -186,8 +186,9 @@ IMAGENET_DEPTHS = {
 CIFAR_DEPTHS = (8, 20, 32, 56)
 MODEL_NAMES = tuple(f"resnet{d}" for d in (*IMAGENET_DEPTHS, *CIFAR_DEPTHS))
 
-# 'matmul': the kernel gradient as per-tap matrix products (models/conv.py), much faster
-# on XLA:CPU; 'xla': lax.conv_general_dilated throughout. Same math to float rounding.
+# 'xla': lax.conv_general_dilated throughout; 'matmul': the kernel gradient as per-tap
+# matrix products (models/conv.py), faster on XLA:CPU for some shapes. Same math to float
+# rounding.
 CONV_IMPLS = {"xla": None, "matmul": conv_lib.conv_general_dilated}
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
