@@ -1,6 +1,6 @@
 """How far apart two runs' curves are: every logged training metric and every evaluation,
-step by step (the invariance experiment: the same kn on 8 devices and on 1 device with
-accumulation).
+step by step, and the training-loss gap epoch by epoch (the invariance experiment: the
+same kn on 8 devices and on 1 device with accumulation, against two seeds as the yardstick).
 
     python experiments/compare_runs.py RUN_A RUN_B
 """
@@ -8,6 +8,7 @@ accumulation).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -41,6 +42,21 @@ def compare(a: str, b: str) -> dict[str, tuple[int, float, float]]:
     return out
 
 
+def loss_gap_by_epoch(a: str, b: str) -> list[tuple[int, float]]:
+    """Max |train_loss difference| of the logged steps within each epoch: how fast two
+    runs that start from the same arithmetic drift apart."""
+    loss_a = {
+        r["step"]: (r["epoch"], r["train_loss"]) for r in read_metrics(a) if "train_loss" in r
+    }
+    loss_b = {r["step"]: r["train_loss"] for r in read_metrics(b) if "train_loss" in r}
+    gaps: dict[int, float] = {}
+    for step in sorted(loss_a.keys() & loss_b.keys()):
+        epoch, value = loss_a[step]
+        index = max(0, math.ceil(epoch) - 1)  # epoch 1.0 closes the first epoch
+        gaps[index] = max(gaps.get(index, 0.0), abs(value - loss_b[step]))
+    return sorted(gaps.items())
+
+
 def main() -> int:
     if len(sys.argv) != 3:
         print(__doc__, file=sys.stderr)
@@ -49,6 +65,8 @@ def main() -> int:
     print(f"{Path(a).name} vs {Path(b).name}")
     for key, (n, absolute, relative) in compare(a, b).items():
         print(f"  {key:15s} {n:5d} points  max |diff| {absolute:.3g}  max relative {relative:.3g}")
+    gaps = "  ".join(f"{e + 1}: {g:.2g}" for e, g in loss_gap_by_epoch(a, b))
+    print(f"  train_loss max |diff| per epoch  {gaps}")
     results = [json.loads((Path(r) / "result.json").read_text()) for r in (a, b)]
     metric = "val_error_top1_median_last_epochs"
     print(f"  paper metric    {results[0][metric]:.4f} vs {results[1][metric]:.4f}")

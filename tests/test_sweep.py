@@ -130,3 +130,23 @@ def test_a_workdir_keeps_its_device_count(tmp_path, fashion_mnist_dir):
     out = sweep(tmp_path, fashion_mnist_dir, *args, "--devices=2")
     assert out.returncode == 2
     assert "was trained on devices=8, this sweep asks for 2: rerun with --devices=8" in out.stderr
+
+
+def test_compare_runs_reports_the_gap_epoch_by_epoch(tmp_path):
+    from experiments import compare_runs
+
+    for name, drift in (("a", 0.0), ("b", 1.0)):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        rows = [
+            {"step": s, "epoch": s / 4, "train_loss": 2.0 - s / 10 + drift * (s / 4) ** 2 / 100}
+            for s in range(1, 9)
+        ] + [{"step": 8, "epoch": 2.0, "val_error_top1": 0.5 + drift / 10}]
+        (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # Epoch 1 holds steps 1-4 (epoch 1.0 closes it), epoch 2 steps 5-8.
+    gaps = compare_runs.loss_gap_by_epoch(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert [e for e, _ in gaps] == [0, 1]
+    assert gaps[0][1] == pytest.approx(0.01) and gaps[1][1] == pytest.approx(0.04)
+    summary = compare_runs.compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert summary["train_loss"][0] == 8
+    assert summary["val_error_top1"][:2] == (1, pytest.approx(0.1))
