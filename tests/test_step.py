@@ -69,7 +69,7 @@ def run(
     bn_group_size=N,
     bn_sync=False,
     steps=2,
-    accum_loop="scan",
+    accum_loop=parallel.resolve_accum_loop("auto", jax.default_backend()),  # as main.py
 ):
     engine = parallel.DataParallel(parallel.create_mesh(jax.devices()[:devices]), parallelism)
     parallel.micro_batch_size(KN, devices, accum_steps, bn_group_size)
