@@ -310,6 +310,7 @@ def plot(
     x: str | None,
     curves: bool,
     title: str,
+    base_batch_size: int = 256,
 ) -> Path:
     import matplotlib
 
@@ -338,7 +339,7 @@ def plot(
             ticks = sorted({r[x] for r in rows})
             ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_xlabel(x)
-        ax.set_ylabel("top-1 validation error (%)")
+        ax.set_ylabel("top-1 validation error (%), mean +- std over seeds")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if curves:
@@ -353,7 +354,10 @@ def plot(
             errors = np.array([100 * r["train_error"] for r in train])
             width = max(1, len(errors) // 30)  # smoothed, as the paper's curves
             smooth = np.convolve(errors, np.ones(width) / width, mode="valid")
-            ax.plot(epochs[width - 1 :], smooth, label=_label(curve_keys, key))
+            shown = dict(zip(curve_keys, key, strict=True))
+            if done[0].get("batch_size", base_batch_size + 1) <= base_batch_size:
+                shown.pop("warmup", None)  # rule 2: no warmup at or below the base kn
+            ax.plot(epochs[width - 1 :], smooth, label=_label(list(shown), tuple(shown.values())))
         ax.set_xlabel("epoch")
         ax.set_ylabel("training error (%)")
         ax.grid(alpha=0.3)
@@ -459,7 +463,17 @@ def main(argv: list[str] | None = None) -> int:
     write_tables(args.name, out, rows, fields, command)
     print(f"tables: {out / args.name}.md, .csv ({time.time() - began:.0f} s)")
     if args.plot or args.curves:
-        print(f"figure: {plot(args.name, out, rows, fields, args.plot, args.curves, args.title)}")
+        path = plot(
+            args.name,
+            out,
+            rows,
+            fields,
+            args.plot,
+            args.curves,
+            args.title,
+            defaults.base_batch_size,
+        )
+        print(f"figure: {path}")
     # A diverged run is a result (Table 1's "no warmup" can diverge); a crash is not.
     return 1 if any(r["status"] == "failed" for r in rows) else 0
 
