@@ -217,13 +217,7 @@ def ours(args, conv_impl: str, engine) -> tuple:
         )
     )
     fn = engine.map(
-        train.make_train_step(
-            model,
-            tx,
-            lambda s: lr,
-            args.accum_steps,
-            parallel.resolve_accum_loop(args.accum_loop, jax.default_backend()),
-        ),
+        train.make_train_step(model, tx, lambda s: lr, args.accum_steps, args.accum_loop),
         donate_state=True,
     )
     return fn, state

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from largebatch_jax import schedules  # noqa: E402
 from largebatch_jax.metrics import read_metrics  # noqa: E402
 
 METRIC = "val_error_top1_median_last_epochs"
@@ -111,10 +112,11 @@ def run_name(overrides: dict[str, Any], defaults: Any, devices: int | None) -> s
     sweep's device count: a run names its own only where it differs (the update does not
     depend on it, DESIGN.md; `check_devices` keeps two counts from sharing a workdir)."""
     inert = set()
-    if overrides.get("batch_size", defaults.batch_size) <= overrides.get(
-        "base_batch_size", defaults.base_batch_size
+    if not schedules.warmup_applies(
+        overrides.get("batch_size", defaults.batch_size),
+        overrides.get("base_batch_size", defaults.base_batch_size),
     ):
-        inert = {"warmup", "warmup_epochs"}  # rule 2: no warmup at or below the base kn
+        inert = {"warmup", "warmup_epochs"}  # no warmup at or below the base kn
     parts = [
         f"{k}={flag_value(v)}"
         for k, v in sorted(overrides.items())
@@ -355,8 +357,9 @@ def plot(
             width = max(1, len(errors) // 30)  # smoothed, as the paper's curves
             smooth = np.convolve(errors, np.ones(width) / width, mode="valid")
             shown = dict(zip(curve_keys, key, strict=True))
-            if done[0].get("batch_size", base_batch_size + 1) <= base_batch_size:
-                shown.pop("warmup", None)  # rule 2: no warmup at or below the base kn
+            kn = done[0].get("batch_size")
+            if kn is not None and not schedules.warmup_applies(kn, base_batch_size):
+                shown.pop("warmup", None)  # no warmup at or below the base kn
             ax.plot(epochs[width - 1 :], smooth, label=_label(list(shown), tuple(shown.values())))
         ax.set_xlabel("epoch")
         ax.set_ylabel("training error (%)")

@@ -103,13 +103,18 @@ def decay_schedule(
     return schedule
 
 
+def warmup_applies(batch_size: int, base_batch_size: int) -> bool:
+    """Paper rule 2, where gradual warmup applies: only to minibatches larger than the
+    baseline's (kn > base kn); the baseline and smaller ones start at their own rate."""
+    return batch_size > base_batch_size
+
+
 def create_learning_rate_schedule(config: Any, steps_per_epoch: int) -> optax.Schedule:
     """The paper's schedule from config fields: scaling (rule 1), warmup (2), decay (3).
 
     Reads `base_lr`, `base_batch_size`, `batch_size`, `lr_scaling`, `warmup`,
     `warmup_epochs`, `lr_decay`, `decay_epochs`, `decay_factor`, `num_epochs`.
-    Warmup applies only when batch_size > base_batch_size (PAPER.md item 2): the baseline
-    and smaller minibatches start at their own rate.
+    Warmup applies only where `warmup_applies` says so (rule 2).
     """
     if steps_per_epoch <= 0:
         raise ValueError(f"steps_per_epoch={steps_per_epoch} must be > 0.")
@@ -119,7 +124,7 @@ def create_learning_rate_schedule(config: Any, steps_per_epoch: int) -> optax.Sc
     _check_choice("warmup", config.warmup, WARMUP_KINDS)
     if config.warmup_epochs < 0:
         raise ValueError(f"warmup_epochs={config.warmup_epochs} must be >= 0.")
-    warms = config.batch_size > config.base_batch_size and config.warmup != "none"
+    warms = warmup_applies(config.batch_size, config.base_batch_size) and config.warmup != "none"
     warmup_steps = epochs_to_steps(config.warmup_epochs, steps_per_epoch) if warms else 0
     total_steps = epochs_to_steps(config.num_epochs, steps_per_epoch)
     boundaries = [epochs_to_steps(e, steps_per_epoch) for e in config.decay_epochs]

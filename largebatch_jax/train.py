@@ -102,8 +102,10 @@ def make_train_step(
     Returns the new state (identical on every device) and metrics averaged over kn.
     `accum_loop`: the micro-steps as one `lax.scan` ('scan': one copy of the model in the
     program, whatever accum_steps is) or as a Python loop ('unroll': accum_steps copies).
-    Same sums in the same order; see `parallel.resolve_accum_loop` for which is faster where.
+    Same sums in the same order; 'auto' picks the faster for this backend
+    (`parallel.resolve_accum_loop`).
     """
+    accum_loop = parallel.resolve_accum_loop(accum_loop, jax.default_backend())
     if accum_loop not in parallel.ACCUM_LOOPS:
         raise ValueError(f"accum_loop={accum_loop!r} is not one of {parallel.ACCUM_LOOPS}.")
 
@@ -454,13 +456,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     if is_main:
         print(summary, flush=True)
     train_step = engine.map(
-        make_train_step(
-            model,
-            tx,
-            lr_fn,
-            config.accum_steps,
-            parallel.resolve_accum_loop(config.accum_loop, jax.default_backend()),
-        ),
+        make_train_step(model, tx, lr_fn, config.accum_steps, config.accum_loop),
         donate_state=True,
     )
     eval_step = engine.map(make_eval_step(model))

@@ -109,8 +109,9 @@ def validate_config(config: Any, num_devices: int) -> int:
             f"config.decay_epochs={tuple(config.decay_epochs)} go past "
             f"num_epochs={config.num_epochs}: lower them or raise num_epochs."
         )
-    applies = config.batch_size > config.base_batch_size and config.warmup != "none"
-    if applies and config.decay_epochs and config.warmup_epochs > min(config.decay_epochs):
+    warms = schedules.warmup_applies(config.batch_size, config.base_batch_size)
+    warms = warms and config.warmup != "none"
+    if warms and config.decay_epochs and config.warmup_epochs > min(config.decay_epochs):
         raise ConfigError(
             f"config.warmup_epochs={config.warmup_epochs} runs past the first decay at epoch "
             f"{min(config.decay_epochs)}: shorten the warmup."
