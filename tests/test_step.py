@@ -41,8 +41,6 @@ SCHEDULE_CONFIG = ml_collections.ConfigDict(
 )
 LR_FN = schedules.create_learning_rate_schedule(SCHEDULE_CONFIG, steps_per_epoch=4)
 TX = optim.create_optimizer(LR_FN, weight_decay=1e-4)
-# The accumulation loop main.py uses on this backend (a Python loop on CPU).
-PROGRAM_LOOP = parallel.resolve_accum_loop("auto", jax.default_backend())
 
 
 def model(bn_group_size=N, bn_sync=False):
@@ -71,7 +69,7 @@ def run(
     bn_group_size=N,
     bn_sync=False,
     steps=2,
-    accum_loop=PROGRAM_LOOP,
+    accum_loop="auto",  # what main.py uses on this backend (a Python loop on CPU)
 ):
     engine = parallel.DataParallel(parallel.create_mesh(jax.devices()[:devices]), parallelism)
     parallel.micro_batch_size(KN, devices, accum_steps, bn_group_size)
