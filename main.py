@@ -12,10 +12,10 @@ with a checkpoint saved), 2 bad config / data / workdir, 1 a failed run (e.g. Na
 import sys
 
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
-from largebatch_jax import parallel, train
+from largebatch_jax import parallel, trainer
 from largebatch_jax.data.sources import DatasetNotPreparedError
 from largebatch_jax.validate import ConfigError
 
@@ -53,18 +53,24 @@ def main(argv):
         _PROCESS_ID.value,
         heartbeat_timeout_seconds=_HEARTBEAT.value,
     )
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     config = _CONFIG.value
     try:
-        result = train.train_and_evaluate(config, _WORKDIR.value)
+        result = trainer.train_and_evaluate(config, _WORKDIR.value)
     except (ConfigError, DatasetNotPreparedError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except train.NonFiniteLossError as e:
+    except trainer.NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    if "preempted" not in result and jax.process_index() == 0:
+    if jax.process_index() != 0:
+        return
+    if "preempted" in result:
+        print(
+            f"preempted: checkpoint saved at step {result['preempted']} in "
+            f"{result['checkpoints']}; rerun the same command to resume",
+            flush=True,
+        )
+    else:
         metric = result["val_error_top1_median_last_epochs"]
         print(
             f"done: top-1 error {result['final_val_error_top1']} (paper metric, median of the "

@@ -1,7 +1,7 @@
-"""Paper defaults (PAPER.md): ResNet-50, kn=256 with n=32, the recipe of Goyal et al. 2017.
+"""Paper defaults (README, "Running the paper"): ResNet-50, kn=256 with n=32, Goyal et al. 2017.
 
 Every other config starts from this one and overrides a few fields; the names follow
-DESIGN.md (`batch_size` is kn, `bn_group_size` is n).
+the README's vocabulary (`batch_size` is kn, `bn_group_size` is n).
 """
 
 import ml_collections

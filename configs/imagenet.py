@@ -11,25 +11,13 @@
   --config=configs/imagenet.py:batch_size=8192,update_form=caffe2,momentum_correction=False
 
 batch_size runs over the paper's sweep 64 ... 65536 (Figure 1); everything not named keeps
-the paper's default (configs/base.py). Any field can also be overridden as a flag.
+the paper's default (configs/base.py). Values follow configs/overrides.py (tuples as
+a;b;c). Any field can also be overridden as a flag.
 """
 
 from configs import base
-
-_CAST = {
-    bool: lambda v: v.lower() in ("1", "true", "yes"),
-    int: int,
-    float: float,
-    str: str,
-    tuple: lambda v: tuple(float(x) for x in v.split(";")),  # decay_epochs=30;60;80
-}
+from configs.overrides import apply_overrides
 
 
 def get_config(arg: str | None = None):
-    c = base.get_config()
-    for item in filter(None, (arg or "").split(",")):
-        key, _, value = item.partition("=")
-        if key not in c:
-            raise ValueError(f"configs/imagenet.py: unknown field {key!r} in {arg!r}.")
-        c[key] = _CAST[type(c[key])](value)
-    return c
+    return apply_overrides(base.get_config(), arg, where="configs/imagenet.py")

@@ -11,8 +11,10 @@ warm-up step) and images/s, XLA's FLOPs per image and the implied achieved FLOP/
 XLA's memory estimate per device. The reference is a plain linen ResNet v1.5 with
 `nn.BatchNorm(axis_name=...)` (statistics synchronised over the global batch),
 `optax.sgd` with Nesterov momentum, weight decay as an L2 term in the loss, under `jax.pmap`
-with `lax.pmean` of the gradients. Ours is `train.make_train_step` under
-`DataParallel.map` with per-worker BN, as `main.py` runs it (with `--conv_impl` both ways).
+with `lax.pmean` of the gradients. Ours is the program `main.py` runs for `--config`
+(default configs/imagenet.py: ResNet-50, per-worker BN), built by the same
+`builder.build_training`, with kn = per_device_batch x devices and `--conv_impl` both ways;
+the flags below override the config's fields.
 
 `--input=real` times our training loop's input path on a config's dataset (loader ->
 `shard_batch` -> step) against the same step fed one synthetic batch over and over: the
@@ -35,21 +37,30 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="resnet50")
-    p.add_argument("--per_device_batch", type=int, default=4)
+    p.add_argument(
+        "--config",
+        default=None,
+        help="the config whose program is timed (default: configs/imagenet.py for "
+        "--input=synthetic, configs/fashion_mnist.py for --input=real)",
+    )
+    p.add_argument("--per_device_batch", type=int, default=4, help="synthetic: kn / devices")
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices; 0 = real devices")
-    p.add_argument("--accum_steps", type=int, default=1)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--image_size", type=int, default=224)
-    p.add_argument("--num_classes", type=int, default=1000)
-    p.add_argument("--width", type=int, default=16, help="CIFAR-family width")
+    # Synthetic only: fields of the config to override (unset: the config's own).
+    for field, kind in (
+        ("model", str),
+        ("accum_steps", int),
+        ("image_size", int),
+        ("num_classes", int),
+        ("width", int),
+        ("accum_loop", str),
+    ):
+        p.add_argument(f"--{field}", type=kind, default=None)
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     p.add_argument("--repeats", type=int, default=1, help="alternate ours/reference this often")
     p.add_argument("--conv_impl", default="both", choices=("both", "xla", "matmul"))
-    p.add_argument("--accum_loop", default="auto", choices=("auto", "scan", "unroll"))
     p.add_argument("--no_reference", action="store_true")
     p.add_argument("--input", default="synthetic", choices=("synthetic", "real"))
-    p.add_argument("--config", default="configs/fashion_mnist.py", help="for --input=real")
     return p.parse_args(argv)
 
 
@@ -68,8 +79,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
-from largebatch_jax import optim, parallel, schedules, train  # noqa: E402
-from largebatch_jax.models import create_model  # noqa: E402
+from largebatch_jax import parallel  # noqa: E402
+from largebatch_jax.builder import build_training, known_steps_per_epoch  # noqa: E402
 
 # ------------------------------------------------------------------ the reference step
 
@@ -200,38 +211,47 @@ def compile_and_time(fn, state, batch, steps: int) -> dict:
     }
 
 
-def ours(args, conv_impl: str, engine) -> tuple:
-    model = create_model(
-        args.model,
-        args.num_classes,
-        min(args.per_device_batch // args.accum_steps, 32),
-        dtype=args.dtype,
-        width=args.width,
-        conv_impl=conv_impl,
-    )
-    lr = schedules.scaled_learning_rate(0.1, 256, args.per_device_batch * engine.num_devices)
-    tx = optim.create_optimizer(lambda step: lr)
-    state = engine.replicate(
-        train.create_train_state(
-            jax.random.key(0), model, tx, (args.image_size, args.image_size, 3)
-        )
-    )
-    fn = engine.map(
-        train.make_train_step(model, tx, lambda s: lr, args.accum_steps, args.accum_loop),
-        donate_state=True,
-    )
-    return fn, state
+def load_config(path: str):
+    """A config file's `get_config()` (ml_collections, like main.py's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_config", ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
 
 
-def reference(args, devices) -> tuple:
+def synthetic_config(args, num_devices: int, conv_impl: str | None = None):
+    """The config timed on synthetic batches: --config with the flags' overrides and
+    kn = per_device_batch x devices (n capped at the per-device micro-batch)."""
+    config = load_config(args.config or "configs/imagenet.py")
+    for field in ("model", "accum_steps", "image_size", "num_classes", "width", "accum_loop"):
+        if getattr(args, field) is not None:
+            config[field] = getattr(args, field)
+    if args.dtype is not None:
+        config.dtype = args.dtype
+    if conv_impl is not None:
+        config.conv_impl = conv_impl
+    config.batch_size = args.per_device_batch * num_devices
+    config.bn_group_size = min(config.bn_group_size, args.per_device_batch // config.accum_steps)
+    return config
+
+
+def ours(config, engine, steps_per_epoch: int | None = None) -> tuple:
+    """Our step and initial state for `config`, from the builder main.py's trainer uses."""
+    spe = known_steps_per_epoch(config) if steps_per_epoch is None else steps_per_epoch
+    training = build_training(config, engine, spe)
+    return training.train_step, training.state
+
+
+def reference(config, devices) -> tuple:
     model = ReferenceResNet50(
-        args.num_classes, jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+        config.num_classes, jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
     )
-    tx, fn = reference_step(model, 0.1 * args.per_device_batch * len(devices) / 256)
+    tx, fn = reference_step(model, 0.1 * config.batch_size / 256)
+    size = config.image_size
     variables = jax.jit(
-        lambda: model.init(
-            jax.random.key(0), jnp.zeros((1, args.image_size, args.image_size, 3)), train=False
-        )
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3)), train=False)
     )()
     single = (
         variables["params"],
@@ -270,27 +290,29 @@ def synthetic(args) -> int:
     engine = parallel.DataParallel(parallel.create_mesh())
     devices = list(engine.mesh.devices.flat)
     d = engine.num_devices
-    global_batch = args.per_device_batch * d
+    config = synthetic_config(args, d)
+    global_batch = config.batch_size
     print(
-        f"{args.model} | {d} x {devices[0].device_kind} ({jax.default_backend()}) | "
-        f"{args.per_device_batch} images/device, accum {args.accum_steps}, {args.dtype}, "
-        f"{args.image_size}x{args.image_size} | jax {jax.__version__} | "
+        f"{config.model} | {d} x {devices[0].device_kind} ({jax.default_backend()}) | "
+        f"{args.per_device_batch} images/device, accum {config.accum_steps}, {config.dtype}, "
+        f"{config.image_size}x{config.image_size} | jax {jax.__version__} | "
         f"{time.strftime('%Y-%m-%d')}",
         flush=True,
     )
-    host = synthetic_batch(global_batch, args.image_size, 3, args.num_classes)
+    host = synthetic_batch(global_batch, config.image_size, config.channels, config.num_classes)
     impls = ["xla", "matmul"] if args.conv_impl == "both" else [args.conv_impl]
     rows: dict[str, list[dict]] = {}
+    with_reference = not args.no_reference and config.model == "resnet50"
     for _ in range(args.repeats):
         for impl in impls:
-            fn, state = ours(args, impl, engine)
+            fn, state = ours(synthetic_config(args, d, impl), engine)
             m = compile_and_time(fn, state, engine.shard_batch(host), args.steps)
             rows.setdefault(f"ours (conv_impl={impl})", []).append(
                 report(f"ours (conv_impl={impl})", m, global_batch, args.per_device_batch)
             )
             del m
-        if not args.no_reference and args.model == "resnet50" and args.accum_steps == 1:
-            fn, state = reference(args, devices)
+        if with_reference and config.accum_steps == 1:
+            fn, state = reference(config, devices)
             batch = jax.tree.map(lambda x: x.reshape(d, args.per_device_batch, *x.shape[1:]), host)
             m = compile_and_time(fn, state, batch, args.steps)
             rows.setdefault("reference (Flax example style)", []).append(
@@ -307,25 +329,15 @@ def synthetic(args) -> int:
 
 def real_input(args) -> int:
     """Our loop's input path against the same step on a fixed device batch."""
-    import importlib.util
+    from largebatch_jax import trainer
+    from largebatch_jax.data import loader
 
-    from largebatch_jax.data import loader, sources
-
-    spec_ = importlib.util.spec_from_file_location("config", ROOT / args.config)
-    module = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(module)
-    config = module.get_config()
-    engine = parallel.DataParallel(parallel.create_mesh())
-    spec = sources.dataset_spec(config.dataset, config.data_dir or sources.default_data_dir())
-    data_dir = config.data_dir or sources.default_data_dir()
-    src = sources.load_source(config.dataset, spec.train_split, data_dir)
-    augment = loader.default_augmentation(spec, config.image_size, config.color_augment)
-    model = train.model_from_config(config)
-    spe = loader.steps_per_epoch(len(src), config.batch_size)
-    lr_fn = schedules.create_learning_rate_schedule(config, spe)
-    tx = optim.optimizer_from_config(config, lr_fn)
-    shape = (config.image_size, config.image_size, config.channels)
-    step = engine.map(train.make_train_step(model, tx, lr_fn, config.accum_steps), True)
+    config = load_config(args.config or "configs/fashion_mnist.py")
+    engine = parallel.DataParallel(parallel.create_mesh(), config.parallelism)
+    data = trainer.load_data(config)
+    step, first_state = ours(config, engine, data.steps_per_epoch)
+    initial = jax.device_get(first_state)  # every variant starts from a fresh copy
+    src, augment = data.train, data.augment
     steps = max(args.steps, 20)
     print(
         f"{config.dataset} {config.model} kn={config.batch_size} on {engine.num_devices} "
@@ -334,7 +346,7 @@ def real_input(args) -> int:
     )
 
     def fresh():
-        return engine.replicate(train.create_train_state(jax.random.key(0), model, tx, shape))
+        return engine.replicate(initial)
 
     def feed(prefetch: int):
         it = loader.TrainLoader(

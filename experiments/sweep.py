@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from configs import overrides  # noqa: E402
 from largebatch_jax import schedules  # noqa: E402
 from largebatch_jax.metrics import read_metrics  # noqa: E402
 
@@ -63,24 +64,11 @@ def load_config(path: str) -> Any:
 
 
 def parse_value(field: str, text: str, default: Any) -> Any:
-    """`text` as the type of the config field's default."""
+    """`text` as the type of the config field's default (configs/overrides.py)."""
     try:
-        if isinstance(default, bool):
-            if text not in ("True", "False", "true", "false"):
-                raise ValueError
-            return text in ("True", "true")
-        if isinstance(default, int):
-            return int(text)
-        if isinstance(default, float):
-            return float(text)
-        if isinstance(default, tuple):
-            items = [x for x in text.strip("()").split(";") if x.strip()]
-            return tuple(type(default[0])(x) if default else float(x) for x in items)
-        return text
-    except ValueError:
-        raise SweepError(
-            f"{field}={text!r} is not a {type(default).__name__} like the default {default!r}."
-        ) from None
+        return overrides.parse_value(field, text, default)
+    except ValueError as e:
+        raise SweepError(str(e)) from None
 
 
 def parse_assignment(text: str, config: Any, many: bool) -> tuple[str, list[Any]]:
@@ -100,17 +88,14 @@ def parse_extra(text: str, config: Any) -> dict[str, Any]:
     return {k: v[0] for k, v in pairs}
 
 
-def flag_value(value: Any) -> str:
-    """The --config.FIELD=... spelling of a value."""
-    if isinstance(value, tuple):
-        return "(" + ",".join(str(v) for v in value) + ("," if len(value) == 1 else "") + ")"
-    return str(value)
+flag_value = overrides.flag_spelling
 
 
 def run_name(overrides: dict[str, Any], defaults: Any, devices: int | None) -> str:
     """The overrides that change the config, sorted: the run's identity. `devices` is the
     sweep's device count: a run names its own only where it differs (the update does not
-    depend on it, DESIGN.md; `check_devices` keeps two counts from sharing a workdir)."""
+    depend on it: README, "The invariance promise"; `check_devices` keeps two counts
+    from sharing a workdir)."""
     inert = set()
     if not schedules.warmup_applies(
         overrides.get("batch_size", defaults.batch_size),
@@ -196,7 +181,8 @@ def collect(run: dict) -> dict:
             train_error=epochs[-1]["epoch_train_error"] if epochs else None,
             steps=result["steps"],
             peak_lr=result["peak_learning_rate"],
-            seconds=result.get("train_seconds_this_session"),
+            # Training time of every session (older results have only the last one's).
+            seconds=result.get("train_seconds", result.get("train_seconds_this_session")),
         )
     elif (workdir / "failed.json").exists():
         row["status"] = json.loads((workdir / "failed.json").read_text())["status"]

@@ -55,17 +55,12 @@ class Checkpointer:
                 )
                 return restored["state"], dict(restored["host"])
             except Exception as e:  # a corrupt or partial checkpoint: use the one before
-                logging.error(
-                    "checkpoint at step %d in %s cannot be read (%s: %s); trying the previous one",
+                logging.warning(
+                    "checkpoint at step %d cannot be read (%s: %s) in %s; trying the previous one",
                     step,
-                    self.directory,
                     type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "",
-                )
-                print(
-                    f"warning: checkpoint at step {step} cannot be read "
-                    f"({type(e).__name__}); using the previous one",
-                    flush=True,
+                    self.directory,
                 )
         return None
 

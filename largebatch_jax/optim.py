@@ -1,4 +1,5 @@
-"""The optimizer of the paper: rules 4-6 of PAPER.md (and LARS beyond 8k).
+"""The optimizer of the paper: rules 4-6 (README, "Where each rule of the paper lives"),
+and LARS beyond 8k.
 
 Update forms:
   optax  (default): u = m*u + g;  w -= lr * (g + m*u)  [Nesterov] or lr * u;

@@ -1,6 +1,6 @@
 """The data-parallel engine: one per-device function, run on every device of every process.
 
-The per-device function (train.py) sees one device's share of the global minibatch and
+The per-device function (step.py) sees one device's share of the global minibatch and
 communicates only through named collectives on `AXIS`. The engine maps it over a 1-D
 mesh of devices, either with `jax.shard_map` inside `jax.jit` (default) or `jax.pmap`;
 both take the same replicated state and the same global batch and return the same
@@ -195,6 +195,12 @@ class DataParallel:
     def replicate(self, tree: Any) -> Any:
         """The same value on every device (every process must pass the same value)."""
         return jax.device_put(tree, self.replicated)
+
+    def abstract_replicated(self, tree: Any) -> Any:
+        """Shapes and dtypes of `tree` placed as `replicate` places it (for lowering)."""
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), tree
+        )
 
     def shard_batch(self, local_batch: Any) -> Any:
         """This process's contiguous share of the global batch -> one global array.

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from largebatch_jax import parallel, train
+from largebatch_jax import parallel
+from largebatch_jax import step as step_lib
 from largebatch_jax.data import loader, sources, transforms
 from largebatch_jax.models import create_model
 
@@ -331,8 +332,8 @@ def test_imagenet_eval_counts_each_image_once_on_8_devices(tiny_imagenet):
     import optax
 
     tx = optax.sgd(0.1)
-    state = engine.replicate(train.create_train_state(jax.random.key(0), model, tx, (32, 32, 3)))
-    eval_step = engine.map(train.make_eval_step(model))
+    state = engine.replicate(step_lib.create_train_state(jax.random.key(0), model, tx, (32, 32, 3)))
+    eval_step = engine.map(step_lib.make_eval_step(model))
     total = {"count": 0.0, "top1_errors": 0.0}
     batches = list(loader.eval_batches(val_src, aug, 8))  # 11 images, batches of 8
     assert len(batches) == 2

@@ -7,26 +7,23 @@ import numpy as np
 import pytest
 
 from configs import smoke
-from largebatch_jax import optim, parallel, schedules, train
+from largebatch_jax import parallel
+from largebatch_jax.builder import build_training
 from largebatch_jax.data import loader, sources
 
 STEPS = 12
 
 
 def run_steps(dtype, batches, config):
+    """The program main.py runs for the smoke config (the shared builder), in `dtype`."""
     config.dtype = dtype
-    model = train.model_from_config(config)
-    spe = 16
-    lr_fn = schedules.create_learning_rate_schedule(config, spe)
-    tx = optim.optimizer_from_config(config, lr_fn)
     engine = parallel.DataParallel(parallel.create_mesh())
-    state = engine.replicate(train.create_train_state(jax.random.key(0), model, tx, (14, 14, 1)))
-    step = engine.map(train.make_train_step(model, tx, lr_fn), donate_state=True)
-    losses = []
+    training = build_training(config, engine, steps_per_epoch=1024 // 64)
+    state, losses = training.state, []
     for batch in batches:
-        state, metrics = step(state, engine.shard_batch(batch))
+        state, metrics = training.train_step(state, engine.shard_batch(batch))
         losses.append(float(metrics["train_loss"]))
-    return state, np.array(losses), model
+    return state, np.array(losses), training.model
 
 
 @pytest.mark.slow

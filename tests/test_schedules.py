@@ -36,7 +36,8 @@ def values(cfg, steps_per_epoch, steps):
 
 
 def paper_lr(t, kn, spe, warmup="gradual"):
-    """PAPER.md item 2 and 3, written out independently of the implementation."""
+    """Paper rules 2 and 3 (README, "Where each rule of the paper lives"), written out
+    independently of the implementation."""
     peak = 0.1 * kn / 256
     tw = 5 * spe if kn > 256 else 0
     if t < tw:

@@ -1,8 +1,9 @@
 """The data-parallel step: the update depends on kn and n only, never on the hardware.
 
-This is the project's core promise (DESIGN.md): one SGD update of kn=32 images in BN
-groups of n=4 gives the same parameters, BN statistics and metrics whether it runs on
-8 devices x 4 images, 4 x 8, 1 x 32, or 2 devices x 2 accumulation steps x 8.
+This is the project's core promise (README, "The invariance promise"): one SGD update
+of kn=32 images in BN groups of n=4 gives the same parameters, BN statistics and metrics
+whether it runs on 8 devices x 4 images, 4 x 8, 1 x 32, or 2 devices x 2 accumulation
+steps x 8.
 """
 
 import functools
@@ -13,7 +14,8 @@ import numpy as np
 import optax
 import pytest
 
-from largebatch_jax import optim, parallel, schedules, train
+from largebatch_jax import optim, parallel, schedules
+from largebatch_jax import step as step_lib
 from largebatch_jax.models import create_model
 
 KN, N, CLASSES, SIZE = 32, 4, 10, 8
@@ -57,7 +59,7 @@ def model(bn_group_size=N, bn_sync=False):
 
 @functools.cache
 def initial_state():
-    state = train.create_train_state(jax.random.key(0), model(), TX, (SIZE, SIZE, 1))
+    state = step_lib.create_train_state(jax.random.key(0), model(), TX, (SIZE, SIZE, 1))
     return jax.device_get(state)  # host copy: every run replicates (and donates) its own
 
 
@@ -75,7 +77,7 @@ def run(
     parallel.micro_batch_size(KN, devices, accum_steps, bn_group_size)
     net = model(bn_group_size, bn_sync)
     step = engine.map(
-        train.make_train_step(net, TX, LR_FN, accum_steps, accum_loop), donate_state=True
+        step_lib.make_train_step(net, TX, LR_FN, accum_steps, accum_loop), donate_state=True
     )
     state = engine.replicate(initial_state())
     history = []
@@ -134,7 +136,7 @@ def test_accum_loop_is_checked_and_auto_unrolls_on_cpu_only():
     assert parallel.resolve_accum_loop("auto", "tpu") == "scan"
     assert parallel.resolve_accum_loop("scan", "cpu") == "scan"
     with pytest.raises(ValueError, match="accum_loop='loop' is not one of"):
-        train.make_train_step(model(), TX, LR_FN, 2, "loop")
+        step_lib.make_train_step(model(), TX, LR_FN, 2, "loop")
 
 
 def test_per_worker_bn_differs_from_global_batch_bn():
@@ -193,7 +195,7 @@ def test_eval_counts_every_real_image_once():
     engine = parallel.DataParallel(parallel.create_mesh(), "shard_map")
     net = model()
     state = engine.replicate(initial_state())
-    eval_step = engine.map(train.make_eval_step(net))
+    eval_step = engine.map(step_lib.make_eval_step(net))
     batch = dict(BATCHES[0], mask=(np.arange(KN) < 27).astype(np.float32))  # 5 padded
     sums = jax.device_get(eval_step(state, engine.shard_batch(batch)))
     host = initial_state()

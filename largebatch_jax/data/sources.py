@@ -56,6 +56,9 @@ SPECS = {
     ),
 }
 FOLDER_PREFIX = "image_folder/"
+# Training-set sizes, for what must know the steps per epoch without the data (the
+# benchmark, an ahead-of-time compile): the schedule's epoch boundaries depend on it.
+TRAIN_SIZES = {"imagenet2012": 1_281_167, "fashion_mnist": 60_000, "cifar10": 50_000}
 
 
 class DatasetNotPreparedError(Exception):

@@ -1,4 +1,4 @@
-"""ResNets of the paper: rules 10-12 of PAPER.md.
+"""ResNets of the paper: rules 10-12 (README, "Where each rule of the paper lives").
 
 ImageNet family: ResNet v1.5 18/34/50/101/152 (fb.resnet.torch variant: the stride of a
 bottleneck sits on its 3x3 conv; projection shortcuts only where the shape changes).

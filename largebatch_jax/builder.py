@@ -1,0 +1,117 @@
+"""One wiring from a config to what a run compiles: schedule -> optimizer -> model ->
+state -> mapped train and eval steps.
+
+Every caller (the trainer behind main.py, experiments/benchmark.py, the ahead-of-time
+compile, the GPU check, the tests) builds through `build_training`, so each compiles
+exactly the program main.py runs for that config. Like the step, it imports no
+tensorflow, tfds, grain, clu or orbax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from flax import linen as nn
+
+from largebatch_jax import optim, parallel, schedules
+from largebatch_jax.data import sources
+from largebatch_jax.models import create_model
+from largebatch_jax.parallel import AXIS
+from largebatch_jax.step import (
+    TrainState,
+    abstract_train_state,
+    create_train_state,
+    make_eval_step,
+    make_train_step,
+)
+
+
+def model_from_config(config: Any) -> nn.Module:
+    """The model named by the config, with per-worker BN of `bn_group_size` (rule 9), or
+    BN synchronised over all devices when `bn_sync` (the Flax-example ablation)."""
+    return create_model(
+        config.model,
+        config.num_classes,
+        config.bn_group_size,
+        config.zero_init_residual,
+        config.dtype,
+        width=config.width,
+        bn_momentum=config.bn_momentum,
+        bn_epsilon=config.bn_epsilon,
+        bn_axis_name=AXIS if config.bn_sync else None,
+        conv_impl=config.conv_impl,
+    )
+
+
+def known_steps_per_epoch(config: Any) -> int:
+    """Steps per epoch of a config's dataset from its known size (`sources.TRAIN_SIZES`,
+    or `train_subset`), for callers that compile without loading the data; a run takes
+    it from the loaded training set, which gives the same number."""
+    if config.dataset not in sources.TRAIN_SIZES:
+        raise ValueError(
+            f"dataset={config.dataset!r} has no known size: pass steps_per_epoch explicitly."
+        )
+    size = sources.TRAIN_SIZES[config.dataset]
+    return max(1, min(size, config.train_subset or size) // config.batch_size)
+
+
+def image_shape(config: Any) -> tuple[int, int, int]:
+    return (config.image_size, config.image_size, config.channels)
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """What `build_training` wires. `state` is the initial state on the mesh (replicated),
+    or its shapes only (`jax.ShapeDtypeStruct`s) when built with `abstract=True`."""
+
+    model: nn.Module
+    tx: optax.GradientTransformation
+    learning_rate_fn: optax.Schedule
+    image_shape: tuple[int, int, int]
+    state: TrainState
+    train_step: Callable[[TrainState, Any], tuple[TrainState, dict]]
+    eval_step: Callable[[TrainState, Any], dict]
+
+
+def build_training(
+    config: Any,
+    engine: parallel.DataParallel,
+    steps_per_epoch: int,
+    *,
+    platform: str | None = None,
+    abstract: bool = False,
+) -> Training:
+    """The model, optimizer, schedule, initial state and mapped steps of a config.
+
+    `steps_per_epoch` places the schedule's epoch boundaries (rules 2, 3); `platform` is
+    the backend the steps will run on where it is not this process's (an ahead-of-time
+    compile for a TPU on a CPU host), for the choices that depend on it. `abstract`: the
+    state as shapes only, placed like the real one, for lowering without materialising.
+    """
+    learning_rate_fn = schedules.create_learning_rate_schedule(config, steps_per_epoch)
+    tx = optim.optimizer_from_config(config, learning_rate_fn)
+    model = model_from_config(config)
+    shape = image_shape(config)
+    if abstract:
+        state = engine.abstract_replicated(abstract_train_state(model, tx, shape))
+    else:
+        state = engine.replicate(create_train_state(jax.random.key(config.seed), model, tx, shape))
+    train_step = engine.map(
+        make_train_step(
+            model, tx, learning_rate_fn, config.accum_steps, config.accum_loop, platform
+        ),
+        donate_state=True,
+    )
+    return Training(
+        model=model,
+        tx=tx,
+        learning_rate_fn=learning_rate_fn,
+        image_shape=shape,
+        state=state,
+        train_step=train_step,
+        eval_step=engine.map(make_eval_step(model)),
+    )

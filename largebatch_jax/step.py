@@ -1,0 +1,220 @@
+"""The per-device train and eval steps: one paper worker's view of an SGD update.
+
+A device holds `accum_steps * micro_batch` images of the global minibatch kn. For each
+micro-step it runs the model with BatchNorm over groups of n, takes the mean
+cross-entropy and its gradient; the gradients are averaged over micro-steps and then
+`lax.pmean`-ed over devices, which is exactly the gradient of the loss averaged over all
+kn images (paper Remark 3; README, "The engine").
+
+This module never sees a config and imports only jax, flax, optax, numpy and the
+project's parts, so the step compiles (and is benchmarked) wherever JAX runs: a GPU image
+without tensorflow, grain or clu, or a CPU host compiling for a TPU slice.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+
+from largebatch_jax import parallel
+from largebatch_jax.parallel import AXIS
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything an SGD update changes; a plain pytree (checkpointable as is)."""
+
+    step: jax.Array
+    params: Any
+    batch_stats: Any
+    opt_state: Any
+
+
+def create_train_state(
+    rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation, image_shape: tuple
+) -> TrainState:
+    """Initialise parameters (the paper's init lives in the model), BN statistics
+    (mean 0, var 1) and the optimizer state, on the host's default device."""
+    return jax.jit(functools.partial(_init_state, model, tx, image_shape))(rng)
+
+
+def abstract_train_state(
+    model: nn.Module, tx: optax.GradientTransformation, image_shape: tuple
+) -> TrainState:
+    """The shapes and dtypes of `create_train_state`'s result, computing nothing (for
+    compiling ahead of time on a host that does not hold the target's devices)."""
+    return jax.eval_shape(functools.partial(_init_state, model, tx, image_shape), jax.random.key(0))
+
+
+def _init_state(model, tx, image_shape, rng) -> TrainState:
+    variables = model.init(rng, jnp.zeros((1, *image_shape), jnp.float32), train=False)
+    params = variables["params"]
+    return TrainState(
+        step=jnp.zeros([], jnp.int32),
+        params=params,
+        batch_stats=variables["batch_stats"],
+        opt_state=tx.init(params),
+    )
+
+
+def mean_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Paper rule 7 (Remark 3): the loss is normalised by the number of images it sums
+    over.
+
+    Per micro-batch mean here; the mean over micro-steps and devices (all of equal size)
+    then normalises by the whole minibatch kn.
+    """
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def topk_errors(logits: jax.Array, labels: jax.Array, k: int) -> jax.Array:
+    """1.0 where the label is not among the k highest logits, per example."""
+    k = min(k, logits.shape[-1])
+    _, top = jax.lax.top_k(logits, k)
+    return 1.0 - jnp.any(top == labels[:, None], axis=-1).astype(jnp.float32)
+
+
+def _varying(tree: Any) -> Any:
+    """Mark a fresh value as differing per device (the scan carry of per-device sums)."""
+    return jax.tree.map(lambda x: jax.lax.pcast(x, AXIS, to="varying"), tree)
+
+
+def _keep_if_finite(finite: jax.Array, new: Any, old: Any) -> Any:
+    """`new` where the update was finite, else `old`. Integer leaves are counters (the
+    schedule's step inside optax): they advance either way, so the rate applied stays the
+    one of the state's step."""
+    return jax.tree.map(
+        lambda n, o: jnp.where(finite, n, o) if jnp.issubdtype(n.dtype, jnp.inexact) else n,
+        new,
+        old,
+    )
+
+
+def make_train_step(
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    learning_rate_fn: optax.Schedule,
+    accum_steps: int = 1,
+    accum_loop: str = "auto",
+    platform: str | None = None,
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """The per-device SGD update (paper rules 7, 9, 15); map it with `DataParallel.map`.
+
+    batch: {'image': [accum_steps * micro, H, W, C], 'label': [accum_steps * micro]}.
+    Returns the new state (identical on every device) and metrics averaged over kn.
+    `accum_loop`: the micro-steps of rule 15 (gradient accumulation, BN still per group of
+    n) as one `lax.scan` ('scan': one copy of the model in the program, whatever
+    accum_steps is) or as a Python loop ('unroll': accum_steps copies). Same sums in the
+    same order; 'auto' picks the faster for `platform` (the backend the step will run
+    on; default: this process's), see `parallel.resolve_accum_loop`.
+    """
+    accum_loop = parallel.resolve_accum_loop(accum_loop, platform or jax.default_backend())
+    if accum_loop not in parallel.ACCUM_LOOPS:
+        raise ValueError(f"accum_loop={accum_loop!r} is not one of {parallel.ACCUM_LOOPS}.")
+
+    def loss_fn(params, batch_stats, images, labels):
+        logits, updated = model.apply(
+            {"params": params, "batch_stats": batch_stats},
+            images,
+            train=True,
+            mutable=["batch_stats"],
+        )
+        return mean_cross_entropy(logits, labels), (logits, updated["batch_stats"])
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        images, labels = batch["image"], batch["label"]
+        if images.shape[0] % accum_steps:
+            raise ValueError(
+                f"accum_steps={accum_steps} does not divide the per-device batch {images.shape[0]}."
+            )
+        micro = images.shape[0] // accum_steps
+        images = images.reshape(accum_steps, micro, *images.shape[1:])
+        labels = labels.reshape(accum_steps, micro)
+
+        # Differentiate a per-device copy of the parameters: the gradient is then this
+        # device's own, and the explicit pmean below is the only reduction. (Taken w.r.t.
+        # the replicated value, shard_map would psum it implicitly.)
+        local_params = _varying(state.params)
+
+        def micro_step(x, y):
+            # Every micro-step starts from the same BN statistics: each group is one
+            # worker's update of the old running averages, later averaged (rule 9).
+            (loss, (logits, stats)), grads = grad_fn(local_params, state.batch_stats, x, y)
+            return grads, stats, loss, topk_errors(logits, y, 1).mean()
+
+        if accum_loop == "unroll":
+            sums = micro_step(images[0], labels[0])
+            for i in range(1, accum_steps):
+                sums = jax.tree.map(jnp.add, sums, micro_step(images[i], labels[i]))
+        else:
+            zeros = jax.tree.map(
+                jnp.zeros_like, (state.params, state.batch_stats, jnp.float32(0), jnp.float32(0))
+            )
+            sums, _ = jax.lax.scan(
+                lambda sums, xy: (jax.tree.map(jnp.add, sums, micro_step(*xy)), None),
+                _varying(zeros),
+                (images, labels),
+            )
+        grads, batch_stats, loss, error = jax.lax.pmean(
+            jax.tree.map(lambda s: s / accum_steps, sums), AXIS
+        )
+
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # A non-finite loss or gradient leaves the state as it was (the step still counts),
+        # so the state in memory is always a good one; the loop stops or skips on the flag.
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        new_state = state.replace(
+            step=state.step + 1,
+            params=_keep_if_finite(finite, params, state.params),
+            batch_stats=_keep_if_finite(finite, batch_stats, state.batch_stats),
+            opt_state=_keep_if_finite(finite, opt_state, state.opt_state),
+        )
+        metrics = {
+            "nonfinite": 1.0 - finite.astype(jnp.float32),
+            "train_loss": loss,
+            "train_error": error,
+            "learning_rate": jnp.asarray(learning_rate_fn(state.step), jnp.float32),
+            "grad_norm": grad_norm,
+            "param_norm": optax.tree.norm(new_state.params),
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(model: nn.Module) -> Callable[[TrainState, dict], dict]:
+    """Per-device evaluation with the running BN statistics.
+
+    batch: {'image', 'label', 'mask'}; padded examples have mask 0. Returns sums over all
+    devices (`count`, `loss_sum`, `top1_errors`, `top5_errors`) so that the host can add
+    batches and divide once: every real image counts exactly once.
+    """
+
+    def eval_step(state: TrainState, batch: dict) -> dict:
+        logits = model.apply(
+            {"params": state.params, "batch_stats": state.batch_stats},
+            batch["image"],
+            train=False,
+        )
+        labels, mask = batch["label"], batch["mask"].astype(jnp.float32)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        sums = {
+            "count": jnp.sum(mask),
+            "loss_sum": jnp.sum(loss * mask),
+            "top1_errors": jnp.sum(topk_errors(logits, labels, 1) * mask),
+            "top5_errors": jnp.sum(topk_errors(logits, labels, 5) * mask),
+        }
+        return jax.lax.psum(sums, AXIS)
+
+    return eval_step

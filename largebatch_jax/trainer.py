@@ -1,0 +1,548 @@
+"""The training loop of one run: build (checks, data, the shared builder, restore), run
+(steps, logs, evaluation, checkpoints, preemption) and finish (the result).
+
+The step itself lives in step.py and is wired by builder.py; this module adds what only
+a real run needs (data, checkpoints, writers, the clock). What the host carries between
+steps is one `RunState`, saved with every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+
+from largebatch_jax import parallel, schedules
+from largebatch_jax.builder import Training, build_training
+from largebatch_jax.checkpoint import Checkpointer
+from largebatch_jax.data import loader, sources
+from largebatch_jax.metrics import (
+    TrainClock,
+    create_writer,
+    filter_library_logs,
+    format_eta,
+    read_metrics,
+)
+from largebatch_jax.validate import ConfigError, validate_config
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the message names the step."""
+
+
+@dataclasses.dataclass
+class RunState:
+    """The host side of a run, saved with every checkpoint as one JSON: the step, the
+    partial sums of the epoch's training metrics, the loader's position after the last
+    trained batch, the skipped (non-finite) updates and the training seconds so far."""
+
+    step: int = 0
+    epoch_sums: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    data: dict | None = None
+    skipped: int = 0
+    train_seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        # A copy: orbax may serialise it after save() returns, while the loop goes on.
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_json(cls, blob: dict) -> RunState:
+        """Tolerates checkpoints written before a field existed (it keeps its default)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in blob.items() if k in names})
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    spec: sources.DatasetSpec
+    train: Any
+    eval: Any
+    augment: loader.Augmentation
+    steps_per_epoch: int
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything `build` sets up for the loop; `state` and `host` advance with it."""
+
+    config: Any
+    workdir: Path
+    engine: parallel.DataParallel
+    data: Data
+    training: Training
+    checkpointer: Checkpointer
+    train_loader: loader.TrainLoader
+    state: Any
+    host: RunState
+    total_steps: int
+    is_main: bool
+
+
+# ----------------------------------------------------------------------------- build
+
+# Fields that may differ between hosts (paths, host CPU threads): not part of the run.
+HOST_LOCAL_FIELDS = ("data_dir", "workers")
+
+
+def _check_processes_agree(config: Any) -> None:
+    values = {f"config.{k}": v for k, v in config.to_dict().items() if k not in HOST_LOCAL_FIELDS}
+    values["local devices"] = jax.local_device_count()
+    values["platform"] = jax.devices()[0].platform
+    values["jax version"] = jax.__version__
+    try:
+        parallel.check_processes_agree(values)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_workdir(workdir: Path) -> None:
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / f".write_test_{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"--workdir={workdir} is not writable ({e.strerror}): choose another directory."
+        ) from None
+
+
+def _check_data_fits(config: Any, spec: sources.DatasetSpec, num_train: int) -> None:
+    if config.num_classes != spec.num_classes:
+        raise ConfigError(
+            f"config.num_classes={config.num_classes} but {config.dataset} has "
+            f"{spec.num_classes} classes: set num_classes={spec.num_classes}."
+        )
+    if config.channels != len(spec.mean):
+        raise ConfigError(
+            f"config.channels={config.channels} but {config.dataset} images have "
+            f"{len(spec.mean)}: set channels={len(spec.mean)}."
+        )
+    if not spec.large_images and spec.native_size % config.image_size:
+        raise ConfigError(
+            f"config.image_size={config.image_size} must divide {config.dataset}'s native size "
+            f"{spec.native_size} (images are downscaled by box averaging)."
+        )
+    if config.batch_size > num_train:
+        raise ConfigError(
+            f"config.batch_size={config.batch_size} is larger than the training set "
+            f"({num_train} images)."
+        )
+
+
+def load_data(config: Any) -> Data:
+    """The config's train and eval sources, transforms and steps per epoch."""
+    data_dir = config.data_dir or sources.default_data_dir()
+    try:
+        spec = sources.dataset_spec(config.dataset, data_dir)
+    except ValueError as e:
+        raise ConfigError(f"config.{e}") from None
+    train_src = sources.load_source(config.dataset, spec.train_split, data_dir)
+    eval_src = sources.load_source(config.dataset, spec.eval_split, data_dir)
+    try:
+        if config.train_subset:
+            train_src = sources.Subset(train_src, config.train_subset)
+        if config.eval_subset:
+            eval_src = sources.Subset(eval_src, config.eval_subset)
+    except ValueError as e:
+        raise ConfigError(f"config.train_subset / eval_subset: {e}") from None
+    _check_data_fits(config, spec, len(train_src))
+    return Data(
+        spec=spec,
+        train=train_src,
+        eval=eval_src,
+        augment=loader.default_augmentation(spec, config.image_size, config.color_augment),
+        steps_per_epoch=loader.steps_per_epoch(len(train_src), config.batch_size),
+    )
+
+
+def _restore(ckpt: Checkpointer, template: Any, workdir: Path) -> tuple[Any, RunState]:
+    restored = ckpt.restore_latest(template)
+    if restored is not None:
+        state, host = restored
+        return state, RunState.from_json(host)
+    if ckpt.steps():
+        raise ConfigError(
+            f"--workdir={workdir}: none of the checkpoints {ckpt.steps()} can be restored "
+            "(corrupt, or saved with another model or optimizer config): use a new workdir."
+        )
+    return template, RunState()
+
+
+def _train_loader(config: Any, data: Data, total: int, host: RunState, workdir: Path):
+    train_loader = loader.TrainLoader(
+        data.train,
+        data.augment,
+        config.batch_size,
+        config.seed,
+        total,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        workers=config.workers,
+    )
+    if host.data is not None:
+        try:
+            train_loader.set_state(host.data)
+        except ValueError as e:
+            raise ConfigError(f"--workdir={workdir}: {e}") from None
+    if train_loader.step != host.step:
+        raise RuntimeError(
+            f"checkpoint step {host.step} and loader step {train_loader.step} differ"
+        )
+    host.data = train_loader.get_state()
+    return train_loader
+
+
+def build(config: Any, workdir: str | Path) -> Run:
+    """Check the config, the processes and the workdir; load the data; wire the step
+    (`build_training`); restore the newest readable checkpoint."""
+    filter_library_logs()
+    _check_processes_agree(config)  # first: every process must then take the same path
+    validate_config(config, jax.device_count())
+    engine = parallel.DataParallel(parallel.create_mesh(), config.parallelism)
+    work = Path(workdir)
+    _check_workdir(work)
+    data = load_data(config)
+    training = build_training(config, engine, data.steps_per_epoch)
+    ckpt = Checkpointer(work / "checkpoints", config.keep_checkpoints)
+    state, host = _restore(ckpt, training.state, work)
+    total = schedules.epochs_to_steps(config.num_epochs, data.steps_per_epoch)
+    run = Run(
+        config=config,
+        workdir=work,
+        engine=engine,
+        data=data,
+        training=training,
+        checkpointer=ckpt,
+        train_loader=_train_loader(config, data, total, host, work),
+        state=state,
+        host=host,
+        total_steps=total,
+        is_main=jax.process_index() == 0,
+    )
+    if run.is_main:
+        logging.info("%s", describe(run))
+    return run
+
+
+def describe(run: Run) -> str:
+    """One line: the layout, the paper's quantities and where the run starts."""
+    c, engine = run.config, run.engine
+    micro = parallel.micro_batch_size(
+        c.batch_size, engine.num_devices, c.accum_steps, c.bn_group_size
+    )
+    peak = schedules.scaled_learning_rate(c.base_lr, c.base_batch_size, c.batch_size, c.lr_scaling)
+    start = run.host.step
+    return (
+        f"devices={engine.num_devices} (local {engine.num_local_devices}) "
+        f"processes={jax.process_count()} | kn={c.batch_size} n={c.bn_group_size} "
+        f"k={c.batch_size // c.bn_group_size} accum_steps={c.accum_steps} | "
+        f"per device {micro} images/micro-step | local batch {run.train_loader.local_batch} | "
+        f"peak lr {peak:.4g} | {run.data.steps_per_epoch} steps/epoch, {run.total_steps} "
+        f"steps | {c.dataset}: {len(run.data.train)} train / {len(run.data.eval)} eval images"
+        f" | " + (f"resuming at step {start}" if start else "starting")
+    )
+
+
+# ----------------------------------------------------------------------------- run
+
+
+class _Preemption:
+    """A scheduler's preemption notice (SIGTERM), read by the loop between steps.
+
+    One process: our handler sets a flag. Several: JAX's preemption sync service catches
+    SIGTERM on any process and makes all of them agree on the step to stop at, so they
+    save the same checkpoint together (a process stopping alone would hang the others).
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+        self._multi = jax.process_count() > 1
+
+    def __enter__(self):
+        if not self._multi and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        del signum, frame
+        self.requested = True
+
+    def reached(self, step: int) -> bool:
+        """Whether to save and stop after `step` (called once per step, on every process)."""
+        if self._multi:
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+class MetricBuffer:
+    """The training metrics of the steps since the last log point, left on the devices;
+    `flush` fetches them all in one host sync (the loop's only one outside evaluation),
+    checks them for non-finite updates, adds them to the epoch sums and writes a line."""
+
+    def __init__(self, run: Run, writer: Any, clock: TrainClock):
+        self.run, self.writer, self.clock = run, writer, clock
+        self.pending: list[tuple[int, dict]] = []
+
+    def add(self, step: int, metrics: dict) -> None:
+        self.pending.append((step, metrics))
+
+    def flush(self, step: int) -> None:
+        if not self.pending:
+            return
+        steps = [s for s, _ in self.pending]
+        fetched = jax.device_get([m for _, m in self.pending])
+        self.pending.clear()
+        for s, m in zip(steps, fetched, strict=True):
+            self._count(s, m)
+        self._write(step, fetched[-1])
+
+    def _count(self, step: int, m: dict) -> None:
+        run, spe = self.run, self.run.data.steps_per_epoch
+        if m["nonfinite"]:
+            if not run.config.skip_nonfinite:
+                raise NonFiniteLossError(
+                    f"non-finite loss at step {step} (epoch {step / spe:.2f}); the state of "
+                    f"step {step - 1} is kept and the last checkpoint "
+                    f"(step {max(run.checkpointer.steps(), default=0)}) is untouched. Lower "
+                    "the learning rate or set --config.skip_nonfinite=True."
+                )
+            run.host.skipped += 1
+            return
+        sums = run.host.epoch_sums.setdefault(str((step - 1) // spe), [0.0, 0.0, 0])
+        sums[0] += float(m["train_error"])
+        sums[1] += float(m["train_loss"])
+        sums[2] += 1
+
+    def _write(self, step: int, last: dict) -> None:
+        run = self.run
+        images_per_sec, eta = self.clock.progress(step, run.config.batch_size)
+        keys = ("train_loss", "train_error", "learning_rate", "grad_norm", "param_norm")
+        scalars = {
+            "epoch": step / run.data.steps_per_epoch,
+            **{k: last[k] for k in keys},
+            "images_per_sec": images_per_sec,
+            "skipped_steps": run.host.skipped,
+        }
+        self.writer.write_scalars(step, scalars)
+        if run.is_main:
+            logging.info(  # the scalars themselves: clu's logging writer, just above
+                "step %d/%d epoch %.2f | %.0f img/s | ETA %s (training time only)",
+                step,
+                run.total_steps,
+                scalars["epoch"],
+                images_per_sec,
+                format_eta(eta),
+            )
+
+    def end_epoch(self, step: int) -> None:
+        """The epoch's mean training error and loss, over its finite updates."""
+        err, loss, count = self.run.host.epoch_sums.pop(
+            str(step // self.run.data.steps_per_epoch - 1), [0.0, 0.0, 0]
+        )
+        if count:
+            self.writer.write_scalars(
+                step,
+                {
+                    "epoch": step / self.run.data.steps_per_epoch,
+                    "epoch_train_error": err / count,
+                    "epoch_train_loss": loss / count,
+                },
+            )
+
+
+def evaluate(run: Run) -> dict:
+    """Every validation image once (padded, masked); returns error rates and loss."""
+    totals: dict[str, float] = {}
+    for batch in loader.eval_batches(
+        run.data.eval,
+        run.data.augment,
+        run.config.eval_batch_size,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        workers=run.config.workers,
+    ):
+        sums = jax.device_get(run.training.eval_step(run.state, run.engine.shard_batch(batch)))
+        for k, v in sums.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    n = totals["count"]
+    return {
+        "val_error_top1": totals["top1_errors"] / n,
+        "val_error_top5": totals["top5_errors"] / n,
+        "val_loss": totals["loss_sum"] / n,
+        "val_count": n,
+    }
+
+
+def _device_batches(run: Run) -> Iterator[tuple[Any, dict]]:
+    """(global batch on the devices, the loader's position after it), in step order."""
+
+    def local_batches():
+        for batch in run.train_loader:
+            del batch["index"]  # record ids: for tests and debugging, not for the devices
+            yield batch, run.train_loader.get_state()
+
+    if run.config.prefetch_batches:
+        return run.engine.prefetch(local_batches(), run.config.prefetch_batches)
+    return ((run.engine.shard_batch(b), s) for b, s in local_batches())
+
+
+def _save(run: Run, clock: TrainClock, step: int) -> None:
+    with clock.paused("checkpoint"):
+        run.host.step = step
+        run.host.train_seconds = clock.total_seconds()
+        run.checkpointer.save(step, run.state, run.host.to_json())
+
+
+def _evaluate_and_log(run: Run, writer: Any, clock: TrainClock, step: int) -> None:
+    with clock.paused("eval"):
+        result = evaluate(run)
+    writer.write_scalars(step, {"epoch": step / run.data.steps_per_epoch, **result})
+    if run.is_main:
+        logging.info(
+            "eval at epoch %.2f: top-1 error %.4f top-5 %.4f",
+            step / run.data.steps_per_epoch,
+            result["val_error_top1"],
+            result["val_error_top5"],
+        )
+
+
+def _compile_train_step(run: Run, clock: TrainClock, batch: Any):
+    """The train step compiled for this state and batch; its time is reported on its own
+    and is not training time."""
+    with clock.paused("compile"):
+        compiled = run.training.train_step.lower(run.state, batch).compile()
+    if run.is_main:
+        logging.info("compiled the train step in %.1f s", clock.paused_seconds["compile"])
+    return compiled
+
+
+def train(run: Run, writer: Any, clock: TrainClock) -> int | None:
+    """Run the steps from the restored one to the last; returns the step a preemption
+    notice stopped at (its checkpoint saved), or None when the run finished."""
+    c, spe = run.config, run.data.steps_per_epoch
+    eval_every = max(1, schedules.epochs_to_steps(c.eval_every_epochs, spe))
+    buffer = MetricBuffer(run, writer, clock)
+    batches = _device_batches(run)
+    step_fn = None
+    with _Preemption() as preemption:
+        if run.host.step == 0:
+            _save(run, clock, 0)  # a good state to fall back to from step 1
+        clock.start()
+        for step in range(run.host.step + 1, run.total_steps + 1):
+            if preemption.reached(step - 1):
+                buffer.flush(step - 1)
+                _save(run, clock, step - 1)
+                return step - 1
+            batch, run.host.data = next(batches)
+            if step_fn is None:
+                step_fn = _compile_train_step(run, clock, batch)
+            run.state, metrics = step_fn(run.state, batch)
+            buffer.add(step, metrics)
+            last = step == run.total_steps
+            if step % c.log_every_steps == 0 or step % spe == 0 or last:
+                buffer.flush(step)
+            if step % spe == 0:
+                buffer.end_epoch(step)
+            if step % eval_every == 0 or last:
+                buffer.flush(step)
+                _evaluate_and_log(run, writer, clock, step)
+            if step % c.checkpoint_every_steps == 0 or last:
+                buffer.flush(step)
+                _save(run, clock, step)
+        clock.stop()
+    return None
+
+
+# ----------------------------------------------------------------------------- finish
+
+
+def params_digest(params: Any) -> str:
+    """sha256 of every parameter's bytes: equal digests mean bit-identical parameters."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(jax.device_get(params)):
+        digest.update(np.ascontiguousarray(leaf).tobytes())
+    return digest.hexdigest()
+
+
+def paper_metric(evals: list[dict], num_epochs: float, last_epochs: float) -> dict:
+    """Paper rule 14: a run's error is the median top-1 validation error of the
+    evaluations made in its last `last_epochs` epochs (5 in the paper)."""
+    used = [e for e in evals if e["epoch"] > num_epochs - last_epochs + 1e-9]
+    return {
+        "val_error_top1_median_last_epochs": (
+            float(np.median([e["val_error_top1"] for e in used])) if used else None
+        ),
+        "last_epochs": last_epochs,
+        "evaluations_used": [
+            {"epoch": e["epoch"], "val_error_top1": e["val_error_top1"]} for e in used
+        ],
+    }
+
+
+def finish(run: Run, clock: TrainClock) -> dict:
+    """The run's result from its metrics.jsonl and final state; written to result.json."""
+    c = run.config
+    evals = [r for r in read_metrics(run.workdir) if "val_error_top1" in r]
+    final = evals[-1] if evals else {}
+    result = {
+        **paper_metric(evals, c.num_epochs, c.result_last_epochs),
+        "final_val_error_top1": final.get("val_error_top1"),
+        "final_val_error_top5": final.get("val_error_top5"),
+        "steps": run.total_steps,
+        "epochs": c.num_epochs,
+        "skipped_steps": run.host.skipped,
+        # Training time only (no evaluation, checkpoints or compiles), every session.
+        "train_seconds": clock.total_seconds(),
+        "train_seconds_this_session": clock.session_seconds(),
+        "wall_seconds_this_session": clock.wall_seconds(),
+        "paused_seconds_this_session": dict(clock.paused_seconds),
+        "params_sha256": params_digest(run.state.params),
+        "batch_size": c.batch_size,
+        "bn_group_size": c.bn_group_size,
+        "peak_learning_rate": schedules.scaled_learning_rate(
+            c.base_lr, c.base_batch_size, c.batch_size, c.lr_scaling
+        ),
+        "config": c.to_dict(),
+    }
+    if run.is_main:
+        (run.workdir / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result
+
+
+def train_and_evaluate(config: Any, workdir: str) -> dict:
+    """Train and evaluate one run of the paper's recipe; resumes from `workdir`.
+
+    Returns the result (also written to workdir/result.json), or {'preempted': step,
+    'checkpoints': directory} after a SIGTERM, with that step's checkpoint saved.
+    """
+    started = time.perf_counter()
+    run = build(config, workdir)
+    clock = TrainClock(run.total_steps, run.host.step, run.host.train_seconds, started_at=started)
+    writer = create_writer(run.workdir, run.is_main)
+    try:
+        preempted = train(run, writer, clock)
+    finally:
+        writer.close()
+    run.checkpointer.close()
+    if preempted is not None:
+        return {"preempted": preempted, "checkpoints": str(run.checkpointer.directory)}
+    return finish(run, clock)

@@ -1,0 +1,114 @@
+"""One wiring for every caller: the step module imports no data or logging stack, and the
+benchmark compiles exactly the program the trainer (main.py) runs."""
+
+import hashlib
+import importlib.util
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from configs import smoke
+from largebatch_jax import parallel, trainer
+from largebatch_jax.builder import build_training
+from tests.runs import ROOT, env
+
+BLOCKED = ("clu", "tensorflow", "tensorflow_datasets", "grain", "orbax")
+
+LEAN_PROGRAM = f"""
+import importlib.abc, sys
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {BLOCKED!r}:
+            raise ImportError(f"blocked: {{name}}")
+        return None
+
+sys.meta_path.insert(0, Block())
+import numpy as np
+import jax
+from configs import smoke
+from largebatch_jax import parallel, step
+from largebatch_jax.builder import build_training
+
+config = smoke.get_config()
+engine = parallel.DataParallel(parallel.create_mesh())
+training = build_training(config, engine, steps_per_epoch=16)
+rng = np.random.default_rng(0)
+batch = engine.shard_batch({{
+    "image": rng.normal(size=(64, 14, 14, 1)).astype(np.float32),
+    "label": rng.integers(0, 10, 64).astype(np.int32),
+}})
+state, metrics = training.train_step(training.state, batch)
+loaded = sorted({{m.split(".")[0] for m in sys.modules}} & set({BLOCKED!r}))
+print("devices", jax.device_count(), "step", int(state.step), "loss",
+      float(metrics["train_loss"]), "blocked modules loaded:", loaded)
+"""
+
+
+def test_step_imports_and_runs_without_the_data_and_logging_stack():
+    out = subprocess.run(
+        [sys.executable, "-c", LEAN_PROGRAM],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("devices 8 step 1 loss ") and line.endswith("loaded: []"), line
+    assert 2.0 < float(line.split()[5]) < 2.6  # ln(10) = 2.30 at initialisation
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark", ROOT / "experiments/benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["benchmark"] = module  # its flax modules are dataclasses of this module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _hlo_hash(fn, *args) -> str:
+    return hashlib.sha256(fn.lower(*args).as_text().encode()).hexdigest()
+
+
+@pytest.mark.slow
+def test_benchmark_times_the_program_main_py_runs(tmp_path, fashion_mnist_dir):
+    config = smoke.get_config()
+    config.data_dir = fashion_mnist_dir
+    run = trainer.build(config, tmp_path / "wd")
+    batch, _ = next(trainer._device_batches(run))
+    theirs = _hlo_hash(run.training.train_step, run.state, batch)
+    eval_theirs = _hlo_hash(
+        run.training.eval_step, run.state, run.engine.shard_batch(next(iter(_eval_batches(run))))
+    )
+
+    benchmark = _load_benchmark()
+    engine = parallel.DataParallel(parallel.create_mesh())
+    # --input=real: the config's data and the same builder.
+    fn, state = benchmark.ours(config, engine, trainer.load_data(config).steps_per_epoch)
+    assert _hlo_hash(fn, state, batch) == theirs
+    # --input=synthetic --config=configs/smoke.py with the config's own kn (8 x 8 images).
+    args = benchmark.parse_args(["--config=configs/smoke.py", "--per_device_batch=8"])
+    synthetic = benchmark.synthetic_config(args, engine.num_devices, conv_impl="xla")
+    fn, state = benchmark.ours(synthetic, engine)
+    assert _hlo_hash(fn, state, batch) == theirs
+    # A different program hashes differently (the comparison can fail).
+    synthetic.bn_group_size = 8
+    fn, state = benchmark.ours(synthetic, engine)
+    assert _hlo_hash(fn, state, batch) != theirs
+    # The eval step too, and lowering from the shapes alone gives the same program.
+    training = build_training(config, engine, 16, abstract=True)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(training.state))
+    assert _hlo_hash(training.train_step, training.state, batch) == theirs
+    eval_batch = run.engine.shard_batch(next(iter(_eval_batches(run))))
+    assert _hlo_hash(training.eval_step, training.state, eval_batch) == eval_theirs
+    run.checkpointer.close()
+
+
+def _eval_batches(run):
+    from largebatch_jax.data import loader
+
+    return loader.eval_batches(run.data.eval, run.data.augment, run.config.eval_batch_size)

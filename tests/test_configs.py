@@ -1,0 +1,98 @@
+"""One override grammar for `configs/imagenet.py:FIELD=VALUE,...` and experiments/sweep.py."""
+
+import importlib.util
+import sys
+
+import pytest
+
+from configs import base, imagenet
+from configs.overrides import apply_overrides, flag_spelling, parse_value
+from tests.runs import ROOT
+
+
+def _sweep():
+    spec = importlib.util.spec_from_file_location("sweep", ROOT / "experiments/sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GOOD = [
+    ("zero_init_residual", "False", False),
+    ("zero_init_residual", "true", True),
+    ("zero_init_residual", "1", True),
+    ("zero_init_residual", "0", False),
+    ("batch_size", "8192", 8192),
+    ("base_lr", "0.2", 0.2),
+    ("base_lr", "1", 1.0),
+    ("warmup", "none", "none"),
+    ("decay_epochs", "30;60", (30.0, 60.0)),
+    ("decay_epochs", "(1;2.5)", (1.0, 2.5)),
+    ("decay_epochs", "()", ()),
+]
+BAD = [
+    ("zero_init_residual", "yes"),
+    ("batch_size", "1.5"),
+    ("batch_size", "True"),
+    ("base_lr", "fast"),
+    ("decay_epochs", "30;x"),
+]
+
+
+@pytest.mark.parametrize("field,text,value", GOOD)
+def test_both_parsers_read_a_value_the_same_way(field, text, value):
+    default = base.get_config()[field]
+    parsed = parse_value(field, text, default)
+    assert parsed == value and type(parsed) is type(value)
+    assert _sweep().parse_value(field, text, default) == parsed
+    assert imagenet.get_config(f"{field}={text}")[field] == parsed
+
+
+@pytest.mark.parametrize("field,text", BAD)
+def test_both_parsers_reject_a_value_naming_the_field(field, text):
+    default = base.get_config()[field]
+    sweep = _sweep()
+    for parse in (parse_value, sweep.parse_value):
+        with pytest.raises(ValueError) as error:
+            parse(field, text, default)
+        message = str(error.value)
+        assert message.startswith(f"{field}={text!r}") and "\n" not in message
+    with pytest.raises(ValueError, match=field):
+        imagenet.get_config(f"{field}={text}")
+
+
+def test_int_tuples_keep_their_type_and_assignments_apply_in_order():
+    assert parse_value("sizes", "1;2", (8, 16)) == (1, 2)
+    c = apply_overrides(base.get_config(), "batch_size=512,warmup=constant,batch_size=1024")
+    assert (c.batch_size, c.warmup) == (1024, "constant")
+    with pytest.raises(ValueError, match="unknown field 'batch_szie'"):
+        apply_overrides(base.get_config(), "batch_szie=64")
+    with pytest.raises(ValueError, match="must be FIELD=VALUE"):
+        apply_overrides(base.get_config(), "batch_size")
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("decay_epochs", (30.0, 60.0)),
+        ("decay_epochs", (1.0,)),
+        ("nesterov", False),
+        ("base_lr", 0.1),
+        ("warmup", "none"),
+        ("batch_size", 8192),
+    ],
+)
+def test_flag_spelling_is_what_ml_collections_reads_back(field, value):
+    """The sweep passes values to main.py as --config.FIELD=<flag_spelling>."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    argv = [
+        sys.argv[0],
+        f"--config={ROOT / 'configs/base.py'}",
+        f"--config.{field}={flag_spelling(value)}",
+    ]
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)  # as main.py
+    values(argv)
+    assert values.config[field] == value
