@@ -80,7 +80,11 @@ import optax  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
 from largebatch_jax import parallel  # noqa: E402
-from largebatch_jax.builder import build_training, known_steps_per_epoch  # noqa: E402
+from largebatch_jax.builder import (  # noqa: E402
+    build_training,
+    input_shape,
+    known_steps_per_epoch,
+)
 
 # ------------------------------------------------------------------ the reference step
 
@@ -169,12 +173,15 @@ def reference_step(model, learning_rate_fn, weight_decay=1e-4):
 # ------------------------------------------------------------------ measurement
 
 
-def synthetic_batch(global_batch: int, image_size: int, channels: int, num_classes: int):
+def synthetic_batch(global_batch: int, shape: tuple, num_classes: int, pixels: bool):
+    """Random images of `shape`: uint8 pixels as our loader hands them out (the step
+    normalises on the device), or float32 already normalised (the reference's input, as
+    the Flax example's tf.data pipeline gives it)."""
     rng = np.random.default_rng(0)
+    size = (global_batch, *shape)
+    image = rng.integers(0, 256, size, np.uint8) if pixels else rng.normal(size=size)
     return {
-        "image": rng.normal(size=(global_batch, image_size, image_size, channels)).astype(
-            np.float32
-        ),
+        "image": image.astype(np.uint8 if pixels else np.float32),
         "label": rng.integers(0, num_classes, global_batch).astype(np.int32),
     }
 
@@ -237,11 +244,10 @@ def synthetic_config(args, num_devices: int, conv_impl: str | None = None):
     return config
 
 
-def ours(config, engine, steps_per_epoch: int | None = None) -> tuple:
-    """Our step and initial state for `config`, from the builder main.py's trainer uses."""
+def ours(config, engine, steps_per_epoch: int | None = None):
+    """What the builder main.py's trainer uses gives for `config` (`Training`)."""
     spe = known_steps_per_epoch(config) if steps_per_epoch is None else steps_per_epoch
-    training = build_training(config, engine, spe)
-    return training.train_step, training.state
+    return build_training(config, engine, spe)
 
 
 def reference(config, devices) -> tuple:
@@ -299,21 +305,27 @@ def synthetic(args) -> int:
         f"{time.strftime('%Y-%m-%d')}",
         flush=True,
     )
-    host = synthetic_batch(global_batch, config.image_size, config.channels, config.num_classes)
+    host = synthetic_batch(global_batch, input_shape(config), config.num_classes, True)
     impls = ["xla", "matmul"] if args.conv_impl == "both" else [args.conv_impl]
     rows: dict[str, list[dict]] = {}
     with_reference = not args.no_reference and config.model == "resnet50"
     for _ in range(args.repeats):
         for impl in impls:
-            fn, state = ours(synthetic_config(args, d, impl), engine)
-            m = compile_and_time(fn, state, engine.shard_batch(host), args.steps)
+            training = ours(synthetic_config(args, d, impl), engine)
+            m = compile_and_time(
+                training.train_step, training.state, engine.shard_batch(host), args.steps
+            )
             rows.setdefault(f"ours (conv_impl={impl})", []).append(
                 report(f"ours (conv_impl={impl})", m, global_batch, args.per_device_batch)
             )
             del m
         if with_reference and config.accum_steps == 1:
             fn, state = reference(config, devices)
-            batch = jax.tree.map(lambda x: x.reshape(d, args.per_device_batch, *x.shape[1:]), host)
+            shape = (config.image_size, config.image_size, config.channels)
+            normalised = synthetic_batch(global_batch, shape, config.num_classes, False)
+            batch = jax.tree.map(
+                lambda x: x.reshape(d, args.per_device_batch, *x.shape[1:]), normalised
+            )
             m = compile_and_time(fn, state, batch, args.steps)
             rows.setdefault("reference (Flax example style)", []).append(
                 report("reference (Flax example style)", m, global_batch, args.per_device_batch)
@@ -335,8 +347,9 @@ def real_input(args) -> int:
     config = load_config(args.config or "configs/fashion_mnist.py")
     engine = parallel.DataParallel(parallel.create_mesh(), config.parallelism)
     data = trainer.load_data(config)
-    step, first_state = ours(config, engine, data.steps_per_epoch)
-    initial = jax.device_get(first_state)  # every variant starts from a fresh copy
+    training = ours(config, engine, data.steps_per_epoch)
+    step = training.train_step
+    initial = jax.device_get(training.state)  # every variant starts from a fresh copy
     src, augment = data.train, data.augment
     steps = max(args.steps, 20)
     print(

@@ -22,6 +22,7 @@ from largebatch_jax.data import sources
 from largebatch_jax.models import create_model
 from largebatch_jax.parallel import AXIS
 from largebatch_jax.step import (
+    PixelNormalization,
     TrainState,
     abstract_train_state,
     create_train_state,
@@ -60,7 +61,22 @@ def known_steps_per_epoch(config: Any) -> int:
 
 
 def image_shape(config: Any) -> tuple[int, int, int]:
+    """The model's input: image_size x image_size x channels."""
     return (config.image_size, config.image_size, config.channels)
+
+
+def pixel_normalization(config: Any) -> PixelNormalization:
+    """Rule 13's normalisation of the config's dataset, run on the device. Small datasets
+    come at their native size and are box-averaged to image_size there."""
+    mean, std, native = sources.pixel_statistics(config.dataset)
+    return PixelNormalization(mean, std, native // config.image_size if native else 1)
+
+
+def input_shape(config: Any) -> tuple[int, int, int]:
+    """One image of a host batch (uint8): the model's input, or the native size of a
+    small dataset that the step downscales."""
+    size = config.image_size * pixel_normalization(config).downscale
+    return (size, size, config.channels)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +87,8 @@ class Training:
     model: nn.Module
     tx: optax.GradientTransformation
     learning_rate_fn: optax.Schedule
-    image_shape: tuple[int, int, int]
+    image_shape: tuple[int, int, int]  # the model's input
+    input_shape: tuple[int, int, int]  # one image of a host batch (uint8 pixels)
     state: TrainState
     train_step: Callable[[TrainState, Any], tuple[TrainState, dict]]
     eval_step: Callable[[TrainState, Any], dict]
@@ -100,9 +117,10 @@ def build_training(
         state = engine.abstract_replicated(abstract_train_state(model, tx, shape))
     else:
         state = engine.replicate(create_train_state(jax.random.key(config.seed), model, tx, shape))
+    normalize = pixel_normalization(config)
     train_step = engine.map(
         make_train_step(
-            model, tx, learning_rate_fn, config.accum_steps, config.accum_loop, platform
+            model, tx, learning_rate_fn, config.accum_steps, config.accum_loop, platform, normalize
         ),
         donate_state=True,
     )
@@ -111,7 +129,8 @@ def build_training(
         tx=tx,
         learning_rate_fn=learning_rate_fn,
         image_shape=shape,
+        input_shape=input_shape(config),
         state=state,
         train_step=train_step,
-        eval_step=engine.map(make_eval_step(model)),
+        eval_step=engine.map(make_eval_step(model, normalize)),
     )

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from configs import smoke
@@ -36,8 +37,9 @@ config = smoke.get_config()
 engine = parallel.DataParallel(parallel.create_mesh())
 training = build_training(config, engine, steps_per_epoch=16)
 rng = np.random.default_rng(0)
+assert training.input_shape == (28, 28, 1)  # uint8 pixels at native size, downscaled there
 batch = engine.shard_batch({{
-    "image": rng.normal(size=(64, 14, 14, 1)).astype(np.float32),
+    "image": rng.integers(0, 256, (64, 28, 28, 1)).astype(np.uint8),
     "label": rng.integers(0, 10, 64).astype(np.int32),
 }})
 state, metrics = training.train_step(training.state, batch)
@@ -88,17 +90,21 @@ def test_benchmark_times_the_program_main_py_runs(tmp_path, fashion_mnist_dir):
     benchmark = _load_benchmark()
     engine = parallel.DataParallel(parallel.create_mesh())
     # --input=real: the config's data and the same builder.
-    fn, state = benchmark.ours(config, engine, trainer.load_data(config).steps_per_epoch)
-    assert _hlo_hash(fn, state, batch) == theirs
+    training = benchmark.ours(config, engine, trainer.load_data(config).steps_per_epoch)
+    assert _hlo_hash(training.train_step, training.state, batch) == theirs
     # --input=synthetic --config=configs/smoke.py with the config's own kn (8 x 8 images).
     args = benchmark.parse_args(["--config=configs/smoke.py", "--per_device_batch=8"])
     synthetic = benchmark.synthetic_config(args, engine.num_devices, conv_impl="xla")
-    fn, state = benchmark.ours(synthetic, engine)
-    assert _hlo_hash(fn, state, batch) == theirs
+    training = benchmark.ours(synthetic, engine)
+    assert _hlo_hash(training.train_step, training.state, batch) == theirs
+    # The synthetic batches have the loader's shape and dtype (uint8 pixels).
+    fake = benchmark.synthetic_batch(64, training.input_shape, 10, pixels=True)
+    assert fake["image"].shape[1:] == batch["image"].shape[1:]
+    assert fake["image"].dtype == batch["image"].dtype == np.uint8
     # A different program hashes differently (the comparison can fail).
     synthetic.bn_group_size = 8
-    fn, state = benchmark.ours(synthetic, engine)
-    assert _hlo_hash(fn, state, batch) != theirs
+    training = benchmark.ours(synthetic, engine)
+    assert _hlo_hash(training.train_step, training.state, batch) != theirs
     # The eval step too, and lowering from the shapes alone gives the same program.
     training = build_training(config, engine, 16, abstract=True)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(training.state))

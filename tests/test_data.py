@@ -91,7 +91,7 @@ def test_loader_batches_follow_the_indices_and_resume_exactly():
         _, expected = loader.train_step_indices(step, 200, 32, 5)
         np.testing.assert_array_equal(batch["index"], expected)
         np.testing.assert_array_equal(batch["label"], expected % 10)
-        assert batch["image"].shape == (32, 8, 8, 1) and batch["image"].dtype == np.float32
+        assert batch["image"].shape == (32, 8, 8, 1) and batch["image"].dtype == np.uint8
     first = make()
     for _ in range(7):
         next(first)
@@ -164,7 +164,7 @@ def test_eval_crop_is_centred_and_sized():
     assert transforms.center_window(375, 500, 224) == ((375 - 328) // 2, (500 - 328) // 2, 328, 328)
     image = np.zeros((375, 500, 3), np.uint8)
     image[:, 250:] = 255  # right half white: the centre crop is half white
-    out = transforms.eval_transform_large(jpeg(image), 224, (0, 0, 0), (1, 1, 1))
+    out = transforms.eval_transform_large(jpeg(image), 224)
     assert out.shape == (224, 224, 3)
     assert out[:, :100].mean() < 10 and out[:, 124:].mean() > 245
 
@@ -181,12 +181,8 @@ def test_flip_happens_about_half_the_time_and_only_from_the_seed():
     encoded = jpeg(image)
     flips = []
     for i in range(400):
-        out = transforms.train_transform_large(
-            encoded, transforms.example_rng(0, 0, i), 32, (0, 0, 0), (1, 1, 1)
-        )
-        again = transforms.train_transform_large(
-            encoded, transforms.example_rng(0, 0, i), 32, (0, 0, 0), (1, 1, 1)
-        )
+        out = transforms.train_transform_large(encoded, transforms.example_rng(0, 0, i), 32)
+        again = transforms.train_transform_large(encoded, transforms.example_rng(0, 0, i), 32)
         np.testing.assert_array_equal(out, again)
         left, right = out[:, :4].mean(), out[:, -4:].mean()
         if abs(left - right) > 100:
@@ -221,6 +217,81 @@ def test_colour_augment_switch():
     b = colour.train(jpeg(image), transforms.example_rng(0, 0, 0))
     assert a.shape == b.shape == (32, 32, 3)
     assert np.abs(a - b).mean() > 0.01
+
+
+# ----------------------------------------------------------------------- uint8 batches
+
+
+def host_normalize(image, mean, std):
+    """The float32 host normalisation the loader did before issue 14 (the reference)."""
+    out = np.empty(image.shape, np.float32)
+    for c in range(image.shape[-1]):
+        np.subtract(image[..., c], np.float32(mean[c]), out=out[..., c], dtype=np.float32)
+        out[..., c] *= np.float32(1.0 / std[c])
+    return out
+
+
+def host_small_transform(image, rng, size, mean, std, pad_crop=0, flip=False):
+    """Before issue 14: box-average to `size` on the host, then pad-crop and flip at that
+    size, then normalise, all in float."""
+    if image.shape[0] != size:
+        f = image.shape[0] // size
+        image = image.reshape(size, f, size, f, -1).mean(axis=(1, 3))
+    image = image.astype(np.float32)
+    if rng is not None:
+        if pad_crop:
+            padded = np.pad(image, ((pad_crop, pad_crop), (pad_crop, pad_crop), (0, 0)))
+            top, left = rng.integers(0, 2 * pad_crop + 1, size=2)
+            image = padded[top : top + size, left : left + size]
+        if flip and rng.random() < 0.5:
+            image = image[:, ::-1]
+    return host_normalize(image, mean, std)
+
+
+@pytest.mark.parametrize("pad_crop,flip", [(0, False), (2, True)])
+def test_uint8_batches_normalised_on_the_device_equal_the_float_host_batches(pad_crop, flip):
+    """Native 28x28 uint8 pixels, box-averaged to 14x14 and normalised in the step, equal
+    the old float32 host batches (the smoke config's geometry; CIFAR's pad-crop + flip
+    at the same downscale too)."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(64, 28, 28, 1), dtype=np.uint8)
+    mean, std = sources.SPECS["fashion_mnist"].mean, sources.SPECS["fashion_mnist"].std
+    spec = sources.DatasetSpec("fm", 10, "train", "test", mean, std, False, 28)
+    aug = loader.Augmentation(spec, 14, pad_crop=pad_crop, flip=flip)
+    shipped = np.stack(
+        [aug.train(x, transforms.example_rng(0, 0, i)) for i, x in enumerate(images)]
+    )
+    assert shipped.dtype == np.uint8 and shipped.shape == (64, 28, 28, 1)
+    device = jax.jit(step_lib.PixelNormalization(mean, std, downscale=2))(shipped)
+    old = np.stack(
+        [
+            host_small_transform(x, transforms.example_rng(0, 0, i), 14, mean, std, pad_crop, flip)
+            for i, x in enumerate(images)
+        ]
+    )
+    assert float(np.abs(np.asarray(device) - old).max()) <= 1e-6
+    evaluated = np.stack([aug.eval(x) for x in images])
+    np.testing.assert_allclose(
+        jax.jit(step_lib.PixelNormalization(mean, std, downscale=2))(evaluated),
+        np.stack([host_small_transform(x, None, 14, mean, std) for x in images]),
+        rtol=0,
+        atol=1e-6,
+    )
+
+
+def test_large_image_batches_are_uint8_and_normalised_like_the_host_did():
+    spec = sources.SPECS["imagenet2012"]
+    rng = np.random.default_rng(1)
+    smooth = np.kron(rng.integers(0, 255, (12, 16, 3)), np.ones((16, 16, 1))).astype(np.uint8)
+    aug = loader.default_augmentation(spec, 32)
+    train = aug.train(jpeg(smooth), transforms.example_rng(0, 0, 0))
+    evaluated = aug.eval(jpeg(smooth))
+    assert train.dtype == evaluated.dtype == np.uint8
+    normalize = jax.jit(step_lib.PixelNormalization(spec.mean, spec.std))
+    for pixels in (train, evaluated):
+        np.testing.assert_allclose(
+            normalize(pixels[None])[0], host_normalize(pixels, spec.mean, spec.std), atol=1e-6
+        )
 
 
 # ----------------------------------------------------------------------- sources
@@ -303,8 +374,9 @@ def test_real_imagenet_builder_and_loader(tiny_imagenet):
     batches = list(loader.TrainLoader(train_src, aug, 4, seed=0, num_steps=3))
     assert len(batches) == 3
     for batch in batches:
-        assert batch["image"].shape == (4, 64, 64, 3) and batch["image"].dtype == np.float32
-        for image, label in zip(batch["image"], batch["label"], strict=True):
+        assert batch["image"].shape == (4, 64, 64, 3) and batch["image"].dtype == np.uint8
+        normalised = np.asarray(step_lib.PixelNormalization(spec.mean, spec.std)(batch["image"]))
+        for image, label in zip(normalised, batch["label"], strict=True):
             # Solid class colours: the label is right and the normalisation is rule 13's.
             expected = (np.array(COLOURS[label]) - spec.mean) / spec.std
             np.testing.assert_allclose(image.mean(axis=(0, 1)), expected, atol=0.1)

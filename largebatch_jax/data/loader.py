@@ -84,21 +84,15 @@ class Augmentation:
 
     def train(self, image: Any, rng: np.random.Generator) -> np.ndarray:
         if self.spec.large_images:
-            return transforms.train_transform_large(
-                image, rng, self.image_size, self.spec.mean, self.spec.std, self.color_augment
-            )
+            return transforms.train_transform_large(image, rng, self.image_size, self.color_augment)
         return transforms.small_image_transform(
-            image, rng, self.image_size, self.spec.mean, self.spec.std, self.pad_crop, self.flip
+            image, rng, self.image_size, self.pad_crop, self.flip
         )
 
     def eval(self, image: Any) -> np.ndarray:
         if self.spec.large_images:
-            return transforms.eval_transform_large(
-                image, self.image_size, self.spec.mean, self.spec.std
-            )
-        return transforms.small_image_transform(
-            image, None, self.image_size, self.spec.mean, self.spec.std
-        )
+            return transforms.eval_transform_large(image, self.image_size)
+        return transforms.small_image_transform(image, None, self.image_size)
 
 
 def default_augmentation(
@@ -149,7 +143,9 @@ class _TrainExample:
 class TrainLoader:
     """This process's share of every global training batch, from `start_step` on.
 
-    Batches are dicts of numpy arrays: image [kn/P, H, W, C] float32, label [kn/P] int32
+    Batches are dicts of numpy arrays: image [kn/P, H, W, C] uint8 (rule 13's pixels
+    before normalisation, which the step does on the device; float32 with colour
+    augmentation; small datasets at their native size), label [kn/P] int32
     and index [kn/P] (the record ids, for tests and debugging). `workers` decoding
     processes (grain), each building whole batches; `prefetch` batches are kept ready.
     """

@@ -61,6 +61,17 @@ FOLDER_PREFIX = "image_folder/"
 TRAIN_SIZES = {"imagenet2012": 1_281_167, "fashion_mnist": 60_000, "cifar10": 50_000}
 
 
+def pixel_statistics(name: str) -> tuple[tuple[float, ...], tuple[float, ...], int | None]:
+    """(mean, std, native size or None) of a dataset's pixels, without loading it: what
+    the step needs to normalise the uint8 batches. Image folders use ImageNet's."""
+    if name in SPECS:
+        spec = SPECS[name]
+        return spec.mean, spec.std, None if spec.large_images else spec.native_size
+    if name.startswith(FOLDER_PREFIX):
+        return IMAGENET_MEAN, IMAGENET_STD, None
+    raise ValueError(f"dataset={name!r} is not one of {(*SPECS, FOLDER_PREFIX + '<name>')}.")
+
+
 class DatasetNotPreparedError(Exception):
     """Raised with one line: which dataset, where we looked, the command that prepares it."""
 
