@@ -13,6 +13,7 @@ import pytest
 from configs import smoke
 from largebatch_jax import parallel, trainer
 from largebatch_jax.builder import build_training
+from largebatch_jax.data import loader
 from tests.runs import ROOT, env
 
 BLOCKED = ("clu", "tensorflow", "tensorflow_datasets", "grain", "orbax")
@@ -83,9 +84,10 @@ def test_benchmark_times_the_program_main_py_runs(tmp_path, fashion_mnist_dir):
     run = trainer.build(config, tmp_path / "wd")
     batch, _ = next(trainer._device_batches(run))
     theirs = _hlo_hash(run.training.train_step, run.state, batch)
-    eval_theirs = _hlo_hash(
-        run.training.eval_step, run.state, run.engine.shard_batch(next(iter(_eval_batches(run))))
+    eval_batch = run.engine.shard_batch(
+        next(loader.eval_batches(run.data.eval, run.data.augment, config.eval_batch_size))
     )
+    eval_theirs = _hlo_hash(run.training.eval_step, run.state, eval_batch)
 
     benchmark = _load_benchmark()
     engine = parallel.DataParallel(parallel.create_mesh())
@@ -109,12 +111,5 @@ def test_benchmark_times_the_program_main_py_runs(tmp_path, fashion_mnist_dir):
     training = build_training(config, engine, 16, abstract=True)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(training.state))
     assert _hlo_hash(training.train_step, training.state, batch) == theirs
-    eval_batch = run.engine.shard_batch(next(iter(_eval_batches(run))))
     assert _hlo_hash(training.eval_step, training.state, eval_batch) == eval_theirs
     run.checkpointer.close()
-
-
-def _eval_batches(run):
-    from largebatch_jax.data import loader
-
-    return loader.eval_batches(run.data.eval, run.data.augment, run.config.eval_batch_size)
