@@ -16,6 +16,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from largebatch_jax import parallel, trainer
+from largebatch_jax.data.loader import UnreadableImageError
 from largebatch_jax.data.sources import DatasetNotPreparedError
 from largebatch_jax.validate import ConfigError
 
@@ -56,7 +57,7 @@ def main(argv):
     config = _CONFIG.value
     try:
         result = trainer.train_and_evaluate(config, _WORKDIR.value)
-    except (ConfigError, DatasetNotPreparedError) as e:
+    except (ConfigError, DatasetNotPreparedError, UnreadableImageError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     except trainer.NonFiniteLossError as e:

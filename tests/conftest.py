@@ -1,11 +1,23 @@
 """Every test sees 8 CPU devices: XLA_FLAGS must be set before jax is first imported."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache per test session, shared by every subprocess run
+# (tests/runs.py passes os.environ on): dozens of runs compile the same smoke program,
+# and a cached executable is the one XLA would build again (the same params_sha256).
+# Fresh each session, so nothing outlives it or leaks between sessions.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="largebatch_jax_test_cache_")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 # pytest imports tracemalloc lazily to report an exception raised in a __del__; if that
 # happens inside tfds's lazy-import context (etils), the import itself fails and the test

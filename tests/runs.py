@@ -75,15 +75,58 @@ def checkpoint_steps(workdir):
 
 def wait_for_checkpoint(proc, workdir, step, timeout=240):
     """Return once a checkpoint >= `step` exists in `workdir`; fail if `proc` ends first."""
+    _wait(
+        proc,
+        lambda: any(s >= step for s in checkpoint_steps(workdir)),
+        f"checkpoint {step}",
+        timeout,
+    )
+
+
+def metrics_size(workdir) -> int:
+    path = Path(workdir) / "metrics.jsonl"
+    return path.stat().st_size if path.exists() else 0
+
+
+def wait_for_logged_step(proc, workdir, step, since=0, timeout=240):
+    """Return once metrics.jsonl (append-only) has a row past `step` written after its
+    first `since` bytes (by a rerun, not by the run it resumes)."""
+
+    def logged():
+        path = Path(workdir) / "metrics.jsonl"
+        new = path.read_bytes()[since:].decode().splitlines() if path.exists() else []
+        return any(json.loads(x)["step"] > step for x in new if x.endswith("}"))
+
+    _wait(proc, logged, f"a new metrics row past step {step}", timeout)
+
+
+def _wait(proc, done, what, timeout):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if any(s >= step for s in checkpoint_steps(workdir)):
+        if done():
             return
         if proc.poll() is not None:
-            raise AssertionError(f"run ended before checkpoint {step}: {proc.stderr.read()}")
+            raise AssertionError(f"run ended before {what}: {proc.stderr.read()}")
         time.sleep(0.05)
-    raise AssertionError(f"no checkpoint {step} within {timeout} s")
+    raise AssertionError(f"no {what} within {timeout} s")
 
 
 def without_timing(rows):
     return [{k: v for k, v in r.items() if k != "images_per_sec"} for r in rows]
+
+
+def final_state(workdir, step=None):
+    """The newest checkpoint's (or that of `step`) train state, on one device of this
+    process (whatever processes and devices saved it)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    step = max(checkpoint_steps(workdir)) if step is None else step
+    path = Path(workdir, "checkpoints", str(step), "state")
+    checkpointer = ocp.StandardCheckpointer()
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+        checkpointer.metadata(path).item_metadata,
+    )
+    return checkpointer.restore(path, target)

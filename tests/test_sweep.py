@@ -17,6 +17,8 @@ GRID = [
     "--grid=batch_size=32,64",
     "--grid=seed=0,1",
     "--set=num_epochs=1.0",
+    "--set=train_subset=512",  # 8 or 16 steps a run: the sweep, not the training, is tested
+    "--set=eval_subset=256",
     "--set=decay_epochs=(0.5;0.75)",
     "--set=warmup_epochs=0.125",
     "--set=result_last_epochs=0.5",

@@ -105,6 +105,26 @@ def default_augmentation(
     return Augmentation(spec, image_size, color_augment=color_augment)
 
 
+class UnreadableImageError(ValueError):
+    """A record whose encoded image cannot be decoded (a truncated or mislabelled file)."""
+
+
+def _transform(fn: Any, record: dict, index: int, split: str) -> np.ndarray:
+    """fn(image); an encoded image that fails to decode stops with one line naming the
+    record (and its file, where the dataset stores names), not a worker's traceback."""
+    if not isinstance(record["image"], bytes | bytearray):  # decoded arrays: nothing to fail
+        return fn(record["image"])
+    try:
+        return fn(record["image"])
+    except transforms.DECODE_ERRORS as e:
+        name = record.get("file_name")
+        where = f" ({name})" if name else ""
+        raise UnreadableImageError(
+            f"{split} record {index}{where} cannot be decoded ({type(e).__name__}: {e}): "
+            "re-encode or remove that image and prepare the dataset again"
+        ) from None
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -134,7 +154,7 @@ class _TrainExample:
         record = self.source[index]
         rng = transforms.example_rng(self.seed, epoch, index)
         return {
-            "image": self.augment.train(record["image"], rng),
+            "image": _transform(lambda x: self.augment.train(x, rng), record, index, "training"),
             "label": np.int32(record["label"]),
             "index": np.int64(index),
         }
@@ -228,7 +248,7 @@ class _EvalExample:
         real = p < len(self.source)
         record = self.source[int(p) if real else 0]
         return {
-            "image": self.augment.eval(record["image"]),
+            "image": _transform(self.augment.eval, record, int(p) if real else 0, "validation"),
             "label": np.int32(record["label"] if real else 0),
             "mask": np.float32(real),
         }

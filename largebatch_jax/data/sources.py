@@ -172,7 +172,11 @@ class EncodedSource:
 
     def __getitem__(self, i: int) -> dict:
         record = self.source[int(i)]
-        return {"image": record["image"], "label": int(record["label"])}
+        out = {"image": record["image"], "label": int(record["label"])}
+        if "file_name" in record:  # named in the loader's error for an undecodable image
+            name = record["file_name"]
+            out["file_name"] = name.decode() if isinstance(name, bytes) else str(name)
+        return out
 
 
 def load_source(name: str, split: str, data_dir: str | None = None) -> Any:
@@ -331,7 +335,7 @@ def _image_folder_builder(root: str, name: str, data_dir: str) -> Any:
                             {
                                 "image": str(f),
                                 "label": label,
-                                "file_name": f.name,
+                                "file_name": f"{cls}/{f.name}",  # names it in errors
                             },
                         )
 

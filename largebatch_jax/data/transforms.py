@@ -57,6 +57,11 @@ def sample_crop_window(
     return (height - h) // 2, (width - w) // 2, h, w
 
 
+# What PIL raises for a file that is not a decodable image (truncated, another format
+# under a .jpg name, a text file): the loader turns them into one line naming the record.
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
+
+
 def _open(encoded: bytes) -> Image.Image:
     return Image.open(io.BytesIO(encoded))
 
@@ -66,29 +71,35 @@ def decode_crop_resize(
     window_fn,
     size: int,
     flip=None,
+    dct_scaling: bool = True,
 ) -> np.ndarray:
     """Decode an image, crop the window `window_fn(h, w)` picks, resize to size x size.
 
-    For JPEGs, PIL's draft mode decodes at the smallest power-of-2 reduction that still
-    leaves the crop at least `size` pixels a side, so a small crop of a large photo never
-    pays for a full-resolution decode.
+    For JPEGs, PIL's draft mode decodes at the largest power-of-2 reduction (libjpeg's
+    DCT-domain scaling) that still leaves the crop at least `size` pixels a side, so a
+    crop of a large photo never pays for a full-resolution decode; `dct_scaling=False`
+    always decodes at full size (the reference the tests compare with).
     """
     if isinstance(encoded, np.ndarray):
         image = Image.fromarray(encoded.squeeze(-1) if encoded.shape[-1] == 1 else encoded)
         full_w, full_h = image.size
         top, left, h, w = window_fn(full_h, full_w)
-        scale = 1.0
+        sx = sy = 1.0
     else:
         image = _open(encoded)
         full_w, full_h = image.size
         top, left, h, w = window_fn(full_h, full_w)
         reduce = min(h, w) // size
-        if image.format == "JPEG" and reduce >= 2:  # draft() at scale 1 only costs time
+        # (draft() at scale 1 would only cost time)
+        if dct_scaling and image.format == "JPEG" and reduce >= 2:
             image.draft("RGB", (max(1, full_w // reduce), max(1, full_h // reduce)))
-        scale = image.size[0] / full_w
+        # libjpeg scales by exactly 1/r (r a power of 2) and rounds the size up (1500 / 8
+        # -> 188 pixels, the last one a part block): the box scales by 1/r, not size/full.
+        r = 2 ** round(math.log2(full_w / image.size[0]))
+        sx = sy = 1.0 / r
     if isinstance(encoded, bytes | bytearray) and image.mode != "RGB":
         image = image.convert("RGB")  # ImageNet has grayscale (and CMYK) JPEGs
-    box = (left * scale, top * scale, (left + w) * scale, (top + h) * scale)
+    box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
     out = image.resize((size, size), Image.BILINEAR, box=box)
     if flip is not None and flip():  # in PIL: a numpy flip + copy costs 10x more
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
@@ -150,9 +161,12 @@ def center_window(height: int, width: int, size: int) -> tuple[int, int, int, in
     return (height - crop) // 2, (width - crop) // 2, crop, crop
 
 
-def eval_transform_large(encoded: bytes | np.ndarray, size: int) -> np.ndarray:
+def eval_transform_large(
+    encoded: bytes | np.ndarray, size: int, dct_scaling: bool = True
+) -> np.ndarray:
     """Rule 13 evaluation: shorter side to 256 (for size 224), centre crop 224 (uint8)."""
-    return decode_crop_resize(encoded, lambda h, w: center_window(h, w, size), size)
+    window = lambda h, w: center_window(h, w, size)  # noqa: E731
+    return decode_crop_resize(encoded, window, size, dct_scaling=dct_scaling)
 
 
 def small_image_transform(
