@@ -317,6 +317,7 @@ def test_main_stops_at_an_undecodable_image_with_one_line(tmp_path):
     )
     assert out.returncode == 2, out.stderr[-3000:]
     (line,) = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    print(line)
     assert "training record" in line and "(b/3.jpg) cannot be decoded" in line, line
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
 

@@ -44,6 +44,17 @@ def sweep(tmp_path, data_dir, *args):
     )
 
 
+def sweep_here(capsys, tmp_path, *args):
+    """sweep.main in this process (for what trains nothing): (exit code, stdout, stderr)."""
+    sys.path.insert(0, str(ROOT))
+    from experiments import sweep as sweep_lib
+
+    capsys.readouterr()
+    code = sweep_lib.main([*args, f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'results'}"])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 @pytest.mark.slow
 def test_sweep_runs_collects_and_resumes(tmp_path, fashion_mnist_dir):
     out = sweep(tmp_path, fashion_mnist_dir, *GRID)
@@ -78,14 +89,14 @@ def test_sweep_runs_collects_and_resumes(tmp_path, fashion_mnist_dir):
     assert (results / "smoke_grid.md").read_text().split("\n", 4)[4] == table.split("\n", 4)[4]
 
 
-def test_sweep_rejects_unknown_fields_and_bad_values(tmp_path, fashion_mnist_dir):
+def test_sweep_rejects_unknown_fields_and_bad_values(tmp_path, capsys):
     for bad, words in [
         ("--grid=batchsize=32", "'batchsize' is not a config field"),
         ("--grid=batch_size=3x", "batch_size='3x' is not a int"),
     ]:
-        out = sweep(tmp_path, fashion_mnist_dir, "--name=x", "--config=configs/smoke.py", bad)
-        assert out.returncode == 2
-        assert words in out.stderr, out.stderr[-1000:]
+        code, _, err = sweep_here(capsys, tmp_path, "--name=x", "--config=configs/smoke.py", bad)
+        assert code == 2
+        assert words in err, err[-1000:]
 
 
 def test_run_names_identify_runs():
@@ -107,10 +118,10 @@ def test_run_names_identify_runs():
     assert sweep_lib.parse_value("decay_epochs", "(1;2.5)", (30.0, 60.0)) == (1.0, 2.5)
 
 
-def test_extra_runs_and_devices(tmp_path, fashion_mnist_dir):
-    out = sweep(
+def test_extra_runs_and_devices(tmp_path, capsys):
+    code, stdout, err = sweep_here(
+        capsys,
         tmp_path,
-        fashion_mnist_dir,
         "--name=x",
         "--config=configs/smoke.py",
         "--grid=warmup=none,gradual",
@@ -118,20 +129,20 @@ def test_extra_runs_and_devices(tmp_path, fashion_mnist_dir):
         "--extra=devices=1,accum_steps=8",
         "--dry_run",
     )
-    assert out.returncode == 0, out.stderr[-1000:]
-    names = [line.split("] ")[1].split(":")[0] for line in out.stdout.splitlines()]
+    assert code == 0, err[-1000:]
+    names = [line.split("] ")[1].split(":")[0] for line in stdout.splitlines()]
     assert names == ["warmup=none", "default", "batch_size=32", "accum_steps=8-devices=1"]
 
 
-def test_a_workdir_keeps_its_device_count(tmp_path, fashion_mnist_dir):
+def test_a_workdir_keeps_its_device_count(tmp_path, capsys):
     args = ["--name=x", "--config=configs/smoke.py", "--grid=seed=0", "--dry_run"]
     workdir = tmp_path / "runs" / "smoke" / "default"
     workdir.mkdir(parents=True)
     (workdir / "devices.json").write_text('{"devices": 8}')
-    assert sweep(tmp_path, fashion_mnist_dir, *args).returncode == 0
-    out = sweep(tmp_path, fashion_mnist_dir, *args, "--devices=2")
-    assert out.returncode == 2
-    assert "was trained on devices=8, this sweep asks for 2: rerun with --devices=8" in out.stderr
+    assert sweep_here(capsys, tmp_path, *args)[0] == 0
+    code, _, err = sweep_here(capsys, tmp_path, *args, "--devices=2")
+    assert code == 2
+    assert "was trained on devices=8, this sweep asks for 2: rerun with --devices=8" in err
 
 
 def test_compare_runs_reports_the_gap_epoch_by_epoch(tmp_path):
