@@ -541,6 +541,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     try:
         preempted = train(run, writer, clock)
     finally:
+        run.train_loader.close()
         writer.close()
     run.checkpointer.close()
     if preempted is not None:

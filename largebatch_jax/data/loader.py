@@ -219,6 +219,13 @@ class TrainLoader:
         self.step += 1
         return batch
 
+    def close(self) -> None:
+        """Stop the decoding workers now. Left to grain's exit-time finalizer after an
+        error, their shutdown can race another close and print a traceback."""
+        if self._iter is not None and hasattr(self._iter, "close"):
+            self._iter.close()
+        self._iter = None
+
     def get_state(self) -> dict:
         """What a checkpoint stores: the next step, and what the order depends on."""
         return {"step": self.step, **self._fingerprint}
