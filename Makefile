@@ -5,14 +5,14 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install data demo test lint
+.PHONY: install data demo test lint wheels
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,tpu]'
 	touch $@
 
 data:
@@ -28,4 +28,8 @@ lint: install
 	$(BIN)/ruff format --check .
 
 test: lint data
-	$(BIN)/python -m pytest -q
+	REQUIRE_TPU_COMPILER=1 $(BIN)/python -m pytest -q
+
+# Wheels the GPU check installs offline where the GPU host lacks them (scripts/gpu_check.sh).
+wheels:
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: -d wheels ml_collections

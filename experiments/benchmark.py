@@ -8,11 +8,11 @@ example writes one, side by side in one process.
 
 Per implementation: compile time, steady-state step time (median of --steps after one
 warm-up step) and images/s, XLA's FLOPs per image and the implied achieved FLOP/s, and
-XLA's memory estimate per device. The reference is a plain linen ResNet v1.5 with
-`nn.BatchNorm(axis_name=...)` (statistics synchronised over the global batch),
-`optax.sgd` with Nesterov momentum, weight decay as an L2 term in the loss, under `jax.pmap`
-with `lax.pmean` of the gradients. Ours is the program `main.py` runs for `--config`
-(default configs/imagenet.py: ResNet-50, per-worker BN), built by the same
+XLA's memory estimate per device. The reference (`largebatch_jax.reference`) is a plain
+linen ResNet v1.5 with `nn.BatchNorm(axis_name=...)` (statistics synchronised over the
+global batch), `optax.sgd` with Nesterov momentum, weight decay as an L2 term in the loss,
+under `jax.pmap` with `lax.pmean` of the gradients. Ours is the program `main.py` runs
+for `--config` (default configs/imagenet.py: ResNet-50, per-worker BN), built by the same
 `builder.build_training`, with kn = per_device_batch x devices and `--conv_impl` both ways;
 the flags below override the config's fields.
 
@@ -25,7 +25,6 @@ without prefetching the next batch onto the devices.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -74,10 +73,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import linen as nn  # noqa: E402
 
 from largebatch_jax import parallel  # noqa: E402
 from largebatch_jax.builder import (  # noqa: E402
@@ -85,90 +81,7 @@ from largebatch_jax.builder import (  # noqa: E402
     input_shape,
     known_steps_per_epoch,
 )
-
-# ------------------------------------------------------------------ the reference step
-
-
-class _RefBottleneck(nn.Module):
-    features: int
-    strides: int
-    dtype: object
-
-    @nn.compact
-    def __call__(self, x, train: bool):
-        conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
-        norm = functools.partial(
-            nn.BatchNorm,
-            use_running_average=not train,
-            momentum=0.9,
-            epsilon=1e-5,
-            dtype=self.dtype,
-            axis_name="batch",
-        )
-        y = nn.relu(norm()(conv(self.features, (1, 1))(x)))
-        y = nn.relu(norm()(conv(self.features, (3, 3), (self.strides,) * 2)(y)))
-        y = norm(scale_init=nn.initializers.zeros)(conv(self.features * 4, (1, 1))(y))
-        if x.shape != y.shape:
-            x = norm()(conv(self.features * 4, (1, 1), (self.strides,) * 2)(x))
-        return nn.relu(x + y)
-
-
-class ReferenceResNet50(nn.Module):
-    """ResNet-50 v1.5 as the Flax ImageNet example builds it: linen defaults for the conv
-    init, BN statistics synchronised over the pmap axis."""
-
-    num_classes: int = 1000
-    dtype: object = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, train: bool = True):
-        x = nn.Conv(64, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False, dtype=self.dtype)(
-            x.astype(self.dtype)
-        )
-        x = nn.BatchNorm(
-            use_running_average=not train,
-            momentum=0.9,
-            epsilon=1e-5,
-            dtype=self.dtype,
-            axis_name="batch",
-        )(x)
-        x = nn.max_pool(nn.relu(x), (3, 3), (2, 2), padding="SAME")
-        for i, blocks in enumerate((3, 4, 6, 3)):
-            for j in range(blocks):
-                x = _RefBottleneck(64 * 2**i, 2 if i > 0 and j == 0 else 1, self.dtype)(x, train)
-        x = nn.Dense(self.num_classes, dtype=self.dtype)(jnp.mean(x, axis=(1, 2)))
-        return x.astype(jnp.float32)
-
-
-def reference_step(model, learning_rate_fn, weight_decay=1e-4):
-    """One pmap'd SGD step in the Flax example's style (loss + L2, grads pmean'd)."""
-    tx = optax.sgd(learning_rate_fn, momentum=0.9, nesterov=True)
-
-    def step(state, batch):
-        params, batch_stats, opt_state, count = state
-
-        def loss_fn(params):
-            logits, updated = model.apply(
-                {"params": params, "batch_stats": batch_stats},
-                batch["image"],
-                mutable=["batch_stats"],
-            )
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-            l2 = sum(jnp.sum(p**2) for p in jax.tree.leaves(params) if p.ndim > 1)
-            return loss + 0.5 * weight_decay * l2, (logits, updated["batch_stats"])
-
-        (loss, (logits, new_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        grads = jax.lax.pmean(grads, "batch")
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        metrics = jax.lax.pmean(
-            {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"])},
-            "batch",
-        )
-        return (params, new_stats, opt_state, count + 1), metrics
-
-    return tx, jax.pmap(step, axis_name="batch", donate_argnums=(0,))
-
+from largebatch_jax.reference import build_reference  # noqa: E402
 
 # ------------------------------------------------------------------ measurement
 
@@ -250,43 +163,51 @@ def ours(config, engine, steps_per_epoch: int | None = None):
     return build_training(config, engine, spe)
 
 
-def reference(config, devices) -> tuple:
-    model = ReferenceResNet50(
-        config.num_classes, jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
+def reference(config, mesh) -> tuple:
+    """The Flax-example-style step (`largebatch_jax.reference`) under `jax.pmap`, as the
+    example runs it, with its state; the batch goes through the same engine."""
+    engine = parallel.DataParallel(mesh, "pmap")
+    ref = build_reference(
+        engine, config.batch_size, config.image_size, config.num_classes, config.dtype
     )
-    tx, fn = reference_step(model, 0.1 * config.batch_size / 256)
-    size = config.image_size
-    variables = jax.jit(
-        lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3)), train=False)
-    )()
-    single = (
-        variables["params"],
-        variables["batch_stats"],
-        tx.init(variables["params"]),
-        jnp.zeros([], jnp.int32),
-    )
-    # One copy per device, laid out as pmap lays out its inputs.
-    state = jax.pmap(lambda x: x, devices=devices)(
-        jax.tree.map(lambda x: jnp.stack([x] * len(devices)), single)
-    )
-    return fn, state
+    return ref, engine
 
 
-def report(name: str, m: dict, images_per_step: int, per_device: int) -> dict:
+# Dense bf16 peak FLOP/s per device (vendor data sheets, without sparsity), for MFU.
+BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "V100": 125.0}
+
+
+def bf16_peak_flops(device_kind: str) -> float | None:
+    """The device's bf16 peak FLOP/s, or None where the table does not know it (CPU)."""
+    for name, tflops in BF16_PEAK_TFLOPS.items():
+        if name in device_kind:
+            return tflops * 1e12
+    return None
+
+
+def report(
+    name: str, m: dict, images_per_step: int, per_device: int, peak: float | None = None
+) -> dict:
+    """One row: images/s, step time, compile time, FLOPs per image, achieved FLOP/s over
+    all devices, and MFU (achieved / the devices' bf16 peak) where `peak` is known."""
     flops_per_image = m["flops"] / per_device if m["flops"] else 0.0
+    devices = images_per_step // per_device
+    achieved = flops_per_image * images_per_step / m["step_s"]
     row = {
         "name": name,
         "images_per_s": images_per_step / m["step_s"],
         "step_ms": 1000 * m["step_s"],
         "compile_s": m["compile_s"],
         "gflops_per_image": flops_per_image / 1e9,
-        "achieved_tflops": flops_per_image * images_per_step / m["step_s"] / 1e12,
+        "achieved_tflops": achieved / 1e12,
+        "mfu": achieved / (devices * peak) if peak else None,
         "memory_mib": m["memory_bytes"] / 2**20,
     }
+    mfu = f"  MFU {row['mfu']:5.1%}" if row["mfu"] is not None else ""
     print(
         f"{name:34s} {row['images_per_s']:9.1f} img/s  step {row['step_ms']:8.1f} ms  "
         f"compile {row['compile_s']:6.1f} s  {row['gflops_per_image']:6.2f} GFLOP/img  "
-        f"{row['achieved_tflops']:7.3f} TFLOP/s  {row['memory_mib']:8.1f} MiB/device",
+        f"{row['achieved_tflops']:7.3f} TFLOP/s{mfu}  {row['memory_mib']:8.1f} MiB/device",
         flush=True,
     )
     return row
@@ -298,6 +219,7 @@ def synthetic(args) -> int:
     d = engine.num_devices
     config = synthetic_config(args, d)
     global_batch = config.batch_size
+    peak = bf16_peak_flops(devices[0].device_kind)
     print(
         f"{config.model} | {d} x {devices[0].device_kind} ({jax.default_backend()}) | "
         f"{args.per_device_batch} images/device, accum {config.accum_steps}, {config.dtype}, "
@@ -316,19 +238,18 @@ def synthetic(args) -> int:
                 training.train_step, training.state, engine.shard_batch(host), args.steps
             )
             rows.setdefault(f"ours (conv_impl={impl})", []).append(
-                report(f"ours (conv_impl={impl})", m, global_batch, args.per_device_batch)
+                report(f"ours (conv_impl={impl})", m, global_batch, args.per_device_batch, peak)
             )
             del m
         if with_reference and config.accum_steps == 1:
-            fn, state = reference(config, devices)
-            shape = (config.image_size, config.image_size, config.channels)
-            normalised = synthetic_batch(global_batch, shape, config.num_classes, False)
-            batch = jax.tree.map(
-                lambda x: x.reshape(d, args.per_device_batch, *x.shape[1:]), normalised
-            )
-            m = compile_and_time(fn, state, batch, args.steps)
+            ref, ref_engine = reference(config, engine.mesh)
+            normalised = synthetic_batch(global_batch, ref.image_shape, config.num_classes, False)
+            batch = ref_engine.shard_batch(normalised)
+            m = compile_and_time(ref.train_step, ref.state, batch, args.steps)
             rows.setdefault("reference (Flax example style)", []).append(
-                report("reference (Flax example style)", m, global_batch, args.per_device_batch)
+                report(
+                    "reference (Flax example style)", m, global_batch, args.per_device_batch, peak
+                )
             )
     if "reference (Flax example style)" in rows:
         ref = statistics.median(r["images_per_s"] for r in rows["reference (Flax example style)"])

@@ -1,21 +1,53 @@
 #!/usr/bin/env bash
-# On a machine with one NVIDIA GPU: ResNet-50 train-step throughput in float32 and
-# bfloat16 (ours and the Flax-example-style reference), images/s and achieved TFLOP/s.
+# On a machine with one NVIDIA GPU: ResNet-50 train-step throughput, ours and the
+# Flax-example-style reference, float32 and bfloat16, at 128 and 256 images per device:
+# images/s, achieved TFLOP/s and MFU against the GPU's bf16 peak (benchmark.py's table).
 #
-#   bash scripts/gpu_check.sh            # BATCH=128 per device by default
-#   BATCH=256 bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh                 # BATCHES="128 256" DTYPES="float32 bfloat16"
+#   BATCHES=256 DTYPES=bfloat16 bash scripts/gpu_check.sh
 #
-# Needs JAX with CUDA in the venv: .venv/bin/pip install -U "jax[cuda12]"
+# Needs only JAX with CUDA, flax, optax and numpy (absl-py and PyYAML come with flax and
+# orbax). The configs also need ml_collections: if it is missing, it is installed from the
+# wheel in $WHEELS (default wheels/; fetch it on a networked host with
+# `make wheels`), nothing from the network. About 5 minutes on an H100-class GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
-BATCH=${BATCH:-128}
-if ! "$PY" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then
-  echo "error: JAX sees no GPU here; install it with: $PY -m pip install -U 'jax[cuda12]'" >&2
-  exit 2
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-"$PY" -c "import jax; print(jax.devices())"
-for dtype in float32 bfloat16; do
-  "$PY" experiments/benchmark.py --model=resnet50 --devices=0 --per_device_batch="$BATCH" \
-    --dtype="$dtype" --conv_impl=auto --steps=20 --repeats=2
+BATCHES=${BATCHES:-128 256}
+DTYPES=${DTYPES:-float32 bfloat16}
+STEPS=${STEPS:-20}
+WHEELS=${WHEELS:-wheels}
+
+if ! "$PYTHON" -c "import ml_collections" 2>/dev/null; then
+  if ! ls "$WHEELS"/ml_collections-*.whl >/dev/null 2>&1; then
+    echo "error: ml_collections is not installed and $WHEELS/ has no wheel of it; on a" \
+      "host with network run: make wheels (then copy $WHEELS/ here)" >&2
+    exit 2
+  fi
+  deps=$(mktemp -d)
+  "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$deps" "$WHEELS"/ml_collections-*.whl
+  export PYTHONPATH="$deps${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# CPU=1 runs the same commands on 8 fake CPU devices at 2 images each and 64x64 (a dry
+# run of everything up to the GPU; its figures mean nothing).
+if [[ "${CPU:-0}" == 1 ]]; then
+  devices=(--devices=8 --image_size=64)
+  BATCHES=2 STEPS=1
+else
+  if ! "$PYTHON" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then
+    echo "error: JAX sees no GPU here; install JAX with CUDA (pip install -U 'jax[cuda13]')" \
+      "or run CPU=1 bash scripts/gpu_check.sh for a dry run" >&2
+    exit 2
+  fi
+  devices=(--devices=0)
+fi
+"$PYTHON" -c "import jax, flax, optax; print(jax.devices(), 'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__)"
+for batch in $BATCHES; do
+  for dtype in $DTYPES; do
+    "$PYTHON" experiments/benchmark.py --model=resnet50 "${devices[@]}" \
+      --per_device_batch="$batch" --dtype="$dtype" --conv_impl=xla --steps="$STEPS" --repeats=1
+  done
 done
