@@ -14,7 +14,7 @@ for dtype in float32 bfloat16; do
     cmd="python -m largebatch_jax.aot --config=configs/imagenet_8k.py $run --config.dtype=$dtype --reference"
     echo "\$ $cmd" >> "$OUT"
     "$PY" -m largebatch_jax.aot --config=configs/imagenet_8k.py $run --config.dtype="$dtype" \
-      --reference >> "$OUT" 2> /tmp/aot_paper_stderr.log
+      --reference >> "$OUT" 2> /tmp/aot_paper_stderr.log || echo "(failed: exit $?, see /tmp/aot_paper_stderr.log)" >> "$OUT"
     echo >> "$OUT"
   done
 done
