@@ -5,17 +5,21 @@
     python main.py --config=configs/fashion_mnist.py --workdir=/tmp/fmnist --config.batch_size=1024
 
 Any field can be overridden with --config.FIELD=VALUE. Rerunning the same command resumes
-from the newest checkpoint in the workdir. Exit codes: 0 done (or preempted by SIGTERM
-with a checkpoint saved), 2 bad config / data / workdir, 1 a failed run (e.g. NaN loss).
+from the newest checkpoint in the workdir; rerunning a finished run prints its result.
+Exit codes: 0 done (or preempted by SIGTERM with a checkpoint saved), 2 bad config / data /
+workdir (also a full disk, a workdir in use), 1 a failed run (e.g. NaN loss), 130 SIGINT.
 """
 
+import re
 import sys
+from pathlib import Path
 
 import jax
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from largebatch_jax import parallel, trainer
+from largebatch_jax import workdir as wd
 from largebatch_jax.data.loader import UnreadableImageError
 from largebatch_jax.data.sources import DatasetNotPreparedError
 from largebatch_jax.validate import ConfigError
@@ -55,14 +59,18 @@ def main(argv):
         heartbeat_timeout_seconds=_HEARTBEAT.value,
     )
     config = _CONFIG.value
+    workdir = wd.resolve(_WORKDIR.value)
     try:
-        result = trainer.train_and_evaluate(config, _WORKDIR.value)
-    except (ConfigError, DatasetNotPreparedError, UnreadableImageError) as e:
+        result = trainer.train_and_evaluate(config, workdir)
+    except (ConfigError, DatasetNotPreparedError, UnreadableImageError, wd.WorkdirError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     except trainer.NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except trainer.RunInterruptedError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(130)
     if jax.process_index() != 0:
         return
     if "preempted" in result:
@@ -76,10 +84,68 @@ def main(argv):
         print(
             f"done: top-1 error {result['final_val_error_top1']} (paper metric, median of the "
             f"last {result['last_epochs']} epochs: {metric}); results in "
-            f"{_WORKDIR.value}/result.json",
+            f"{workdir}/result.json",
             flush=True,
         )
 
 
+def config_error(error: BaseException, argv: list[str]) -> str:
+    """One line for what loading --config or applying --config.FIELD raised."""
+    text = str(error).strip().strip("'\"").replace("\\n", "\n")
+    # ml_collections words it either way, by version and code path.
+    typo = re.search(r"'(\w+)'.*?Did you mean \"(\w+)\"", text, re.S)
+    field, near = (typo[1], typo[2]) if typo else (None, None)
+    if typo is None:
+        typo = re.search(r"Did you mean \"(\w+)\" instead of \"(\w+)\"", text)
+        field, near = (typo[2], typo[1]) if typo else (None, None)
+    if isinstance(error, AttributeError | KeyError) and field:
+        return (
+            f"--config.{field}: the config has no field {field!r} (did you mean "
+            f"{near!r}?); the fields are in configs/base.py."
+        )
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if spec is not None:
+        path = Path(spec.split(":", 1)[0])
+        if not path.is_file():
+            return f"--config={spec}: no such config file {str(path)!r}."
+        try:
+            compile(path.read_text(), str(path), "exec")
+        except SyntaxError as e:
+            return f"--config={spec}: syntax error in {path} line {e.lineno}: {e.msg}."
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with a bad config file or field as one line and exit 2 (the
+    config is loaded here, not at first use, so its errors come out here too)."""
+    try:
+        rest = flags.FLAGS(argv)
+        _CONFIG.value.to_dict()  # a config that failed to load raises at first use
+        return rest
+    except flags.Error as e:
+        message = str(e).splitlines()[0]
+    except Exception as e:  # whatever a config file or an override raises
+        message = config_error(e, argv)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+_UNRAISABLE_SEEN: set[str] = set()
+
+
+def unraisable_in_one_line(unraisable: "sys.UnraisableHookArgs") -> None:
+    """Exceptions that no code can catch (raised in callbacks on C++ threads: tensorstore's,
+    dozens of them when orbax stops a save on a full disk) as one log line per distinct
+    message instead of a traceback each; the error that stopped the run is reported by
+    the main thread."""
+    error = unraisable.exc_value
+    what = f"{type(error).__name__}: " + (str(error).splitlines() or [""])[0]
+    if what not in _UNRAISABLE_SEEN:
+        _UNRAISABLE_SEEN.add(what)
+        logging.warning("ignored an exception in a background callback: %s", what)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    sys.unraisablehook = unraisable_in_one_line
+    app.run(main, flags_parser=parse_flags)

@@ -21,15 +21,27 @@ from clu import metric_writers
 
 
 class JsonlWriter(metric_writers.MetricWriter):
-    """metrics.jsonl as a clu writer: one line per `write_scalars` call."""
+    """metrics.jsonl as a clu writer: one line per `write_scalars` call.
+
+    A crash or a full disk in the middle of an append can leave a torn last line; the
+    writer cuts it off when it opens the file (so the next line never joins it) and cuts
+    back a line whose own write failed."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        repair_torn_tail(self.path)
 
     def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
         row = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        with self.path.open("ab") as f:
+            size = f.tell()
+            try:
+                f.write((json.dumps(row) + "\n").encode())
+                f.flush()
+            except OSError:
+                with contextlib.suppress(OSError):
+                    f.truncate(size)
+                raise
 
     def write_summaries(self, step, values, metadata=None) -> None:
         del step, values, metadata  # scalars only
@@ -73,17 +85,38 @@ def create_writer(workdir: str | Path, is_main: bool = True) -> metric_writers.M
     )
 
 
+def repair_torn_tail(path: Path) -> None:
+    """Cut a torn last line (no newline: its write never finished) off `path`."""
+    try:
+        with path.open("rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+                logging.warning("cut a torn last line off %s (a write that never finished)", path)
+    except FileNotFoundError:
+        pass
+
+
 def read_metrics(workdir: str | Path) -> list[dict]:
     """metrics.jsonl lines, deduplicated: for each (step, set of keys) the last one written
-    (a run resumed from a checkpoint rewrites the steps after it)."""
+    (a run resumed from a checkpoint rewrites the steps after it). A line that is not
+    JSON (torn by a crash, before the writer cut such lines) is skipped with a warning:
+    the rerun that follows a crash rewrites every row after its checkpoint."""
     path = Path(workdir) / "metrics.jsonl"
     if not path.exists():
         return []
     latest: dict[tuple, dict] = {}
-    for line in path.read_text().splitlines():
+    torn = 0
+    for line in path.read_text(errors="replace").splitlines():
         if line.strip():
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                torn += 1
+                continue
             latest[(row["step"], tuple(sorted(row)))] = row
+    if torn:
+        logging.warning("%s: skipped %d torn line(s) that are not JSON", path, torn)
     return sorted(latest.values(), key=lambda r: r["step"])
 
 

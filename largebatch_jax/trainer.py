@@ -8,6 +8,7 @@ steps is one `RunState`, saved with every checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -25,6 +26,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from largebatch_jax import parallel, schedules
+from largebatch_jax import workdir as wd
 from largebatch_jax.builder import Training, build_training
 from largebatch_jax.checkpoint import Checkpointer
 from largebatch_jax.data import loader, sources
@@ -40,6 +42,11 @@ from largebatch_jax.validate import ConfigError, validate_config
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; the message names the step."""
+
+
+class RunInterruptedError(Exception):
+    """SIGINT (Ctrl-C) stopped the run; the in-flight checkpoint save was finished first.
+    The message is one line naming the checkpoints kept."""
 
 
 @dataclasses.dataclass
@@ -84,6 +91,7 @@ class Run:
     data: Data
     training: Training
     checkpointer: Checkpointer
+    lock: wd.WorkdirLock | None
     train_loader: loader.TrainLoader
     state: Any
     host: RunState
@@ -108,16 +116,41 @@ def _check_processes_agree(config: Any) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _check_workdir(workdir: Path) -> None:
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / f".write_test_{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(
-            f"--workdir={workdir} is not writable ({e.strerror}): choose another directory."
-        ) from None
+def _lock_workdir(work: Path) -> wd.WorkdirLock | None:
+    """Process 0 takes the workdir's lock for the whole run; every process learns whether
+    it did, so that all stop together when another run holds it."""
+    lock, error = None, ""
+    if jax.process_index() == 0:
+        try:
+            lock = wd.WorkdirLock(work)
+            note = lock.acquire()
+            if note:
+                logging.warning("%s", note)
+        except wd.WorkdirError as e:
+            lock, error = None, str(e)
+    if jax.process_count() > 1:
+        held = multihost_utils.broadcast_one_to_all(np.int32(lock is not None or not error))
+        if not held and not error:
+            error = f"--workdir={work} is in use by another run (process 0 found its lock)."
+    if error:
+        raise wd.WorkdirError(error)
+    return lock
+
+
+def _check_record(config: Any, work: Path, checkpoints: list[int], steps_per_epoch: int) -> None:
+    """The workdir's record of the config that defines its run, against this config
+    (workdir.check_resume); a fresh workdir records this one."""
+    recorded = wd.read_record(work)
+    if checkpoints and recorded is not None:
+        wd.check_resume(recorded, config, max(checkpoints), steps_per_epoch)
+    elif checkpoints:
+        logging.warning(
+            "%s has checkpoints but no %s (written since issue 16): recording this config",
+            work,
+            wd.RECORD,
+        )
+    if jax.process_index() == 0:
+        wd.write_record(work, config)
 
 
 def _check_data_fits(config: Any, spec: sources.DatasetSpec, num_train: int) -> None:
@@ -145,7 +178,9 @@ def _check_data_fits(config: Any, spec: sources.DatasetSpec, num_train: int) -> 
 
 def load_data(config: Any) -> Data:
     """The config's train and eval sources, transforms and steps per epoch."""
-    data_dir = config.data_dir or sources.default_data_dir()
+    data_dir = sources.default_data_dir()
+    if config.data_dir:
+        data_dir = os.path.expanduser(config.data_dir)
     try:
         spec = sources.dataset_spec(config.dataset, data_dir)
     except ValueError as e:
@@ -213,26 +248,34 @@ def build(config: Any, workdir: str | Path) -> Run:
     _check_processes_agree(config)  # first: every process must then take the same path
     validate_config(config, jax.device_count())
     engine = parallel.DataParallel(parallel.create_mesh(), config.parallelism)
-    work = Path(workdir)
-    _check_workdir(work)
-    data = load_data(config)
-    training = build_training(config, engine, data.steps_per_epoch)
-    ckpt = Checkpointer(work / "checkpoints", config.keep_checkpoints)
-    state, host = _restore(ckpt, training.state, work)
-    total = schedules.epochs_to_steps(config.num_epochs, data.steps_per_epoch)
-    run = Run(
-        config=config,
-        workdir=work,
-        engine=engine,
-        data=data,
-        training=training,
-        checkpointer=ckpt,
-        train_loader=_train_loader(config, data, total, host, work),
-        state=state,
-        host=host,
-        total_steps=total,
-        is_main=jax.process_index() == 0,
-    )
+    work = wd.resolve(workdir)
+    wd.check_writable(work)
+    lock = _lock_workdir(work)
+    try:
+        data = load_data(config)
+        ckpt = Checkpointer(work / "checkpoints", config.keep_checkpoints)
+        _check_record(config, work, ckpt.steps(), data.steps_per_epoch)
+        training = build_training(config, engine, data.steps_per_epoch)
+        state, host = _restore(ckpt, training.state, work)
+        total = schedules.epochs_to_steps(config.num_epochs, data.steps_per_epoch)
+        run = Run(
+            config=config,
+            workdir=work,
+            engine=engine,
+            data=data,
+            training=training,
+            checkpointer=ckpt,
+            lock=lock,
+            train_loader=_train_loader(config, data, total, host, work),
+            state=state,
+            host=host,
+            total_steps=total,
+            is_main=jax.process_index() == 0,
+        )
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     if run.is_main:
         logging.info("%s", describe(run))
     return run
@@ -291,6 +334,45 @@ class _Preemption:
     def __exit__(self, *exc):
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+
+
+class _DeferredInterrupt:
+    """SIGINT raises KeyboardInterrupt as usual, except while a checkpoint save is being
+    started (`deferred()`): then it is raised as soon as that part is done, so a Ctrl-C
+    never leaves a half-started save behind (train_and_evaluate then waits for the
+    save's background part before it exits)."""
+
+    def __init__(self):
+        self._deferring, self._pending, self._previous = False, False, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        del signum, frame
+        if self._deferring:
+            self._pending = True
+        else:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._pending:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+_INTERRUPTS = _DeferredInterrupt()
 
 
 class MetricBuffer:
@@ -406,7 +488,7 @@ def _device_batches(run: Run) -> Iterator[tuple[Any, dict]]:
 
 
 def _save(run: Run, clock: TrainClock, step: int) -> None:
-    with clock.paused("checkpoint"):
+    with clock.paused("checkpoint"), _INTERRUPTS.deferred():
         run.host.step = step
         run.host.train_seconds = clock.total_seconds()
         run.checkpointer.save(step, run.state, run.host.to_json())
@@ -443,7 +525,7 @@ def train(run: Run, writer: Any, clock: TrainClock) -> int | None:
     buffer = MetricBuffer(run, writer, clock)
     batches = _device_batches(run)
     step_fn = None
-    with _Preemption() as preemption:
+    with _Preemption() as preemption, _INTERRUPTS:
         if run.host.step == 0:
             _save(run, clock, 0)  # a good state to fall back to from step 1
         clock.start()
@@ -524,8 +606,63 @@ def finish(run: Run, clock: TrainClock) -> dict:
         "config": c.to_dict(),
     }
     if run.is_main:
-        (run.workdir / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        wd.atomic_write_text(run.workdir / RESULT, json.dumps(result, indent=2, default=str) + "\n")
     return result
+
+
+RESULT = "result.json"
+
+
+def _finished_result(run: Run) -> dict | None:
+    """A finished run's stored result: rerunning it trains nothing and rewrites nothing."""
+    path = run.workdir / RESULT
+    if run.host.step < run.total_steps or not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None  # torn by a crash before it was written atomically: write it again
+
+
+class _Closer:
+    """Closes the run's parts once each, in order: the checkpoint manager first (waiting
+    for the save in flight, so every good checkpoint stays), then the loader and the
+    writers. `close(quiet=True)`, after a failure, logs what fails on the way instead of
+    raising it over the error that stopped the run."""
+
+    def __init__(self, *parts: tuple[str, Any]):
+        self.parts = list(parts)
+
+    def close(self, quiet: bool = False) -> None:
+        while self.parts:
+            what, close = self.parts.pop(0)
+            try:
+                close()
+            except Exception as e:
+                if not quiet:
+                    raise
+                logging.warning("while stopping, closing %s failed: %s", what, _first_line(e))
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: " + (str(error).splitlines() or [""])[0]
+
+
+def _one_line_error(run: Run, error: BaseException) -> BaseException | None:
+    """The one-line error a known fault becomes (disk full, SIGINT), or None."""
+    kept = run.checkpointer.steps()
+    where = f"checkpoints at steps {kept} in {run.checkpointer.directory} are intact"
+    if isinstance(error, KeyboardInterrupt):
+        return RunInterruptedError(
+            f"interrupted (SIGINT): {where}; rerun the same command to resume from step "
+            f"{max(kept, default=0)}."
+        )
+    if wd.is_disk_full(error):
+        return wd.WorkdirError(
+            f"no space left on the device of --workdir={run.workdir}: {where}; free space "
+            "and rerun the same command to resume."
+        )
+    return None
 
 
 def train_and_evaluate(config: Any, workdir: str) -> dict:
@@ -536,14 +673,29 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     """
     started = time.perf_counter()
     run = build(config, workdir)
-    clock = TrainClock(run.total_steps, run.host.step, run.host.train_seconds, started_at=started)
-    writer = create_writer(run.workdir, run.is_main)
+    closer = _Closer(("checkpoints", run.checkpointer.close), ("loader", run.train_loader.close))
     try:
+        done = _finished_result(run)
+        if done is not None:
+            logging.info("the run in %s is finished: its %s stays as it is", run.workdir, RESULT)
+            closer.close()
+            return done
+        clock = TrainClock(
+            run.total_steps, run.host.step, run.host.train_seconds, started_at=started
+        )
+        writer = create_writer(run.workdir, run.is_main)
+        closer.parts.append(("metric writers", writer.close))
         preempted = train(run, writer, clock)
+        closer.close()
+        if preempted is not None:
+            return {"preempted": preempted, "checkpoints": str(run.checkpointer.directory)}
+        return finish(run, clock)
+    except BaseException as e:
+        closer.close(quiet=True)
+        known = _one_line_error(run, e)
+        if known is None:
+            raise
+        raise known from None
     finally:
-        run.train_loader.close()
-        writer.close()
-    run.checkpointer.close()
-    if preempted is not None:
-        return {"preempted": preempted, "checkpoints": str(run.checkpointer.directory)}
-    return finish(run, clock)
+        if run.lock is not None:
+            run.lock.release()

@@ -48,3 +48,16 @@ def fashion_mnist_dir(tmp_path_factory):
             "dataset-fashion-mnist (make data)"
         )
     return str(data_dir)
+
+
+@pytest.fixture(scope="session")
+def straight(tmp_path_factory, fashion_mnist_dir):
+    """The uninterrupted 64-step smoke run (tests.runs.LONGER): the reference whose
+    params_sha256 and curves every interrupted or faulted run must end with. It keeps
+    all 8 checkpoints, so that tests can cut a copy back to any of them."""
+    from tests.runs import LONGER, run
+
+    workdir = tmp_path_factory.mktemp("straight")
+    out = run(workdir, fashion_mnist_dir, *LONGER, "--config.keep_checkpoints=8")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return workdir

@@ -12,11 +12,21 @@ ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = [sys.executable, "-m", "largebatch_jax.launch"]
 
 
-def env():
+# The smoke config made 64 steps long, an evaluation per epoch: the tests' uninterrupted
+# reference run (conftest's `straight`) and the runs they interrupt.
+LONGER = (
+    "--config.num_epochs=4.0",
+    "--config.decay_epochs=(2.0,3.0)",
+    "--config.eval_every_epochs=1.0",
+)
+
+
+def env(**extra):
     return {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
         "JAX_PLATFORMS": "cpu",
+        **extra,
     }
 
 
@@ -40,22 +50,22 @@ def command(workdir, data_dir, *overrides, config="configs/smoke.py", processes=
     return [sys.executable, *main]
 
 
-def run(workdir, data_dir, *overrides, timeout=300, **kwargs):
+def run(workdir, data_dir, *overrides, timeout=300, extra_env=None, **kwargs):
     return subprocess.run(
         command(workdir, data_dir, *overrides, **kwargs),
         cwd=ROOT,
-        env=env(),
+        env=env(**(extra_env or {})),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
 
 
-def start(workdir, data_dir, *overrides, **kwargs):
+def start(workdir, data_dir, *overrides, extra_env=None, **kwargs):
     return subprocess.Popen(
         command(workdir, data_dir, *overrides, **kwargs),
         cwd=ROOT,
-        env=env(),
+        env=env(**(extra_env or {})),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -111,6 +121,10 @@ def _wait(proc, done, what, timeout):
     raise AssertionError(f"no {what} within {timeout} s")
 
 
+def error_lines(stderr: str) -> list[str]:
+    return [x for x in stderr.splitlines() if x.startswith("error:")]
+
+
 def without_timing(rows):
     return [{k: v for k, v in r.items() if k != "images_per_sec"} for r in rows]
 
@@ -130,3 +144,15 @@ def final_state(workdir, step=None):
         checkpointer.metadata(path).item_metadata,
     )
     return checkpointer.restore(path, target)
+
+
+def prepare_with_a_bad_record(root: Path, data_dir: Path, name: str, bad: str) -> None:
+    """Prepares image_folder/`name` from `root` holding the undecodable image `bad` (as
+    one prepared before prepare checked images, or a file that changed between the scan
+    and the copy): the scan's check is bypassed."""
+    from largebatch_jax.data import folder
+
+    found = folder.scan(root)
+    split = "train" if bad.startswith("train/") else "validation"
+    found.files[split].append(bad)
+    folder.builder(found, name, str(data_dir)).download_and_prepare()

@@ -16,7 +16,7 @@ from largebatch_jax import parallel
 from largebatch_jax import step as step_lib
 from largebatch_jax.data import loader, sources, transforms
 from largebatch_jax.models import create_model
-from tests.runs import run
+from tests.runs import prepare_with_a_bad_record, run
 
 # ----------------------------------------------------------------------- Remark 4
 
@@ -299,7 +299,7 @@ def test_main_stops_at_an_undecodable_image_with_one_line(tmp_path):
     stops with exit 2 and one line naming the record and its file, no traceback."""
     make_image_folder(tmp_path / "folder", bad=("train/b/3.jpg",))
     data_dir = str(tmp_path / "tfds")
-    sources.prepare("image_folder/bad", data_dir, root=str(tmp_path / "folder"))
+    prepare_with_a_bad_record(tmp_path / "folder", tmp_path / "tfds", "bad", "train/b/3.jpg")
     out = run(
         tmp_path / "wd",
         data_dir,

@@ -20,6 +20,7 @@ from largebatch_jax.metrics import read_metrics
 from largebatch_jax.trainer import paper_metric
 from largebatch_jax.validate import ConfigError
 from tests.runs import (
+    LONGER,
     ROOT,
     checkpoint_steps,
     final_state,
@@ -43,22 +44,6 @@ TRAIN_KEYS = {
     "images_per_sec",
 }
 EVAL_KEYS = {"step", "epoch", "val_error_top1", "val_error_top5", "val_loss"}
-
-
-LONGER = (  # 64 steps, an evaluation per epoch
-    "--config.num_epochs=4.0",
-    "--config.decay_epochs=(2.0,3.0)",
-    "--config.eval_every_epochs=1.0",
-)
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory, fashion_mnist_dir):
-    """The uninterrupted 64-step reference run."""
-    workdir = tmp_path_factory.mktemp("straight")
-    out = run(workdir, fashion_mnist_dir, *LONGER)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return workdir
 
 
 def test_smoke_end_to_end(tmp_path, fashion_mnist_dir):

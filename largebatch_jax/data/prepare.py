@@ -4,6 +4,10 @@ python -m largebatch_jax.data.prepare imagenet2012 --manual_dir=DIR [--data_dir=
 python -m largebatch_jax.data.prepare fashion_mnist [--idx_dir=/usr/share/datasets/fashion-mnist]
 python -m largebatch_jax.data.prepare cifar10
 python -m largebatch_jax.data.prepare image_folder --root=ROOT --name=NAME
+
+A dataset prepared before is reused; an image folder that changed since is refused, and
+`--overwrite` prepares any dataset again from scratch (also the fix for corrupt files).
+An image folder's files that do not decode as images are left out and named in one line.
 """
 
 import sys
@@ -19,6 +23,7 @@ flags.DEFINE_string("manual_dir", None, "imagenet2012: folder with the ILSVRC201
 flags.DEFINE_string("idx_dir", None, "fashion_mnist: folder with the IDX files.")
 flags.DEFINE_string("root", None, "image_folder: folder with train/<class>/ and val/<class>/.")
 flags.DEFINE_string("name", None, "image_folder: the dataset's name (default: root's name).")
+flags.DEFINE_bool("overwrite", False, "Delete the prepared copy and prepare it again.")
 FLAGS = flags.FLAGS
 
 
@@ -35,6 +40,8 @@ def main(argv):
             manual_dir=FLAGS.manual_dir,
             idx_dir=FLAGS.idx_dir,
             root=FLAGS.root,
+            overwrite=FLAGS.overwrite,
+            report=lambda line: print(line, flush=True),
         )
     except (sources.DatasetNotPreparedError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

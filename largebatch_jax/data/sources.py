@@ -12,11 +12,15 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import os
-from collections.abc import Sequence
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from absl import logging
+
+from largebatch_jax.data import folder
 
 DEFAULT_IDX_DIR = "/usr/share/datasets/fashion-mnist"
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
@@ -74,6 +78,10 @@ def pixel_statistics(name: str) -> tuple[tuple[float, ...], tuple[float, ...], i
 
 class DatasetNotPreparedError(Exception):
     """Raised with one line: which dataset, where we looked, the command that prepares it."""
+
+
+class DatasetChangedError(DatasetNotPreparedError):
+    """`prepare` refuses to reuse the prepared copy of an image folder that has changed."""
 
 
 def default_data_dir() -> str:
@@ -180,7 +188,8 @@ class EncodedSource:
 
 
 def load_source(name: str, split: str, data_dir: str | None = None) -> Any:
-    """A random-access source over one split of a prepared dataset."""
+    """A random-access source over one split of a prepared dataset; prepared files that
+    are missing or cut short stop here with DatasetNotPreparedError (one line)."""
     import tensorflow_datasets as tfds
 
     data_dir = data_dir or default_data_dir()
@@ -190,18 +199,50 @@ def load_source(name: str, split: str, data_dir: str | None = None) -> Any:
             f"dataset {name!r} in {data_dir} has no split {split!r} "
             f"(it has {sorted(builder.info.splits)})"
         )
-    source = builder.as_data_source(split=split, decoders={"image": tfds.decode.SkipDecoding()})
+    try:
+        source = builder.as_data_source(split=split, decoders={"image": tfds.decode.SkipDecoding()})
+        _check_shards(source, builder.info.splits[split].shard_lengths)
+    except Exception as e:  # whatever array_record raises for a missing or torn file
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise DatasetNotPreparedError(
+            f"dataset {name!r} in {data_dir}: the prepared files of split {split!r} cannot "
+            f"be read ({type(e).__name__}: {first}): prepare it again with "
+            f"`{prepare_command(name, data_dir)} --overwrite`"
+        ) from None
     if name in SPECS and not SPECS[name].large_images:
         return InMemorySource(*_decoded(source, Path(builder.data_dir) / f"decoded-{split}.npz"))
     return EncodedSource(source)
 
 
+def _check_shards(source: Any, shard_lengths: list[int]) -> None:
+    """Read the first and the last record of every shard: opens every file and reads its
+    footer, so a deleted or truncated shard is found before training, not at its batch."""
+    if len(source) != sum(shard_lengths):
+        raise ValueError(f"{len(source)} records where the dataset info says {sum(shard_lengths)}")
+    start = 0
+    for length in shard_lengths:
+        if length:
+            source.__getitems__([start, start + length - 1])
+        start += length
+
+
 def _decoded(source: Any, cache: Path) -> tuple[np.ndarray, np.ndarray]:
     """Decoded images and labels of a small split, cached beside the prepared files (the
-    decode takes ~15 s for Fashion-MNIST, the cache 0.1 s)."""
+    decode takes ~15 s for Fashion-MNIST, the cache 0.1 s). A cache that cannot be read
+    (cut short) or does not match the split is decoded again from the prepared files."""
     if cache.exists():
-        with np.load(cache) as f:
-            return f["images"], f["labels"]
+        try:
+            with np.load(cache) as f:
+                images, labels = f["images"], f["labels"]
+            if len(labels) == len(images) == len(source):
+                return images, labels
+            logging.warning(
+                "%s holds %d images, the split %d: decoding again", cache, len(labels), len(source)
+            )
+        except Exception as e:  # a truncated zip: BadZipFile, EOFError, ValueError, ...
+            logging.warning(
+                "%s cannot be read (%s): decoding the split again", cache, type(e).__name__
+            )
     images, labels = _decode_all(source)
     try:  # a read-only data_dir only loses the cache
         tmp = cache.with_suffix(f".tmp{os.getpid()}.npz")
@@ -292,57 +333,6 @@ def _local_fashion_mnist_builder(idx_dir: str, data_dir: str) -> Any:
     return LocalFashionMNIST(data_dir=data_dir, file_format="array_record")
 
 
-def _image_folder_builder(root: str, name: str, data_dir: str) -> Any:
-    """A tfds builder over root/{train,val}/<class>/*: class ids from the sorted names."""
-    import tensorflow_datasets as tfds
-
-    root_path = Path(root)
-    split_dirs = {"train": root_path / "train", "validation": root_path / "val"}
-    if not split_dirs["train"].is_dir():
-        raise DatasetNotPreparedError(f"image folder {root}: no train/ sub-folder of classes")
-    classes = sorted(p.name for p in split_dirs["train"].iterdir() if p.is_dir())
-
-    class ImageFolder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-        VERSION = tfds.core.Version("1.0.0")
-        BUILDER_CONFIGS: Sequence[Any] = [tfds.core.BuilderConfig(name=name)]
-
-        def _info(self):
-            return self.dataset_info_from_configs(
-                features=tfds.features.FeaturesDict(
-                    {
-                        "image": tfds.features.Image(encoding_format="jpeg"),
-                        "label": tfds.features.ClassLabel(names=classes),
-                        "file_name": tfds.features.Text(),
-                    }
-                ),
-                supervised_keys=("image", "label"),
-            )
-
-        def _split_generators(self, dl_manager):
-            del dl_manager
-            return {
-                split: self._generate_examples(path)
-                for split, path in split_dirs.items()
-                if path.is_dir()
-            }
-
-        def _generate_examples(self, path):
-            for label, cls in enumerate(classes):
-                for f in sorted((path / cls).glob("*")):
-                    if f.is_file():
-                        yield (
-                            f"{cls}/{f.name}",
-                            {
-                                "image": str(f),
-                                "label": label,
-                                "file_name": f"{cls}/{f.name}",  # names it in errors
-                            },
-                        )
-
-    ImageFolder.name = "image_folder"
-    return ImageFolder(data_dir=data_dir, config=name, file_format="array_record")
-
-
 def prepare(
     name: str,
     data_dir: str | None = None,
@@ -350,11 +340,19 @@ def prepare(
     manual_dir: str | None = None,
     idx_dir: str | None = None,
     root: str | None = None,
+    overwrite: bool = False,
+    report: Callable[[str], None] = logging.info,
 ) -> str:
-    """Prepare a dataset as array_record under data_dir; returns where it went."""
+    """Prepare a dataset as array_record under data_dir; returns where it went.
+
+    A dataset prepared before is reused, except that an image folder whose files changed
+    since is refused (DatasetChangedError) unless `overwrite`, which deletes the prepared
+    copy and prepares it again (for any dataset: the fix for corrupt prepared files).
+    `report` receives one line on what was prepared (an image folder's left-out files)."""
     import tensorflow_datasets as tfds
 
-    data_dir = data_dir or default_data_dir()
+    data_dir = os.path.expanduser(data_dir) if data_dir else default_data_dir()
+    found = None
     if name == "imagenet2012":
         if not manual_dir:
             raise DatasetNotPreparedError(
@@ -368,19 +366,40 @@ def prepare(
             )
         builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
         config = tfds.download.DownloadConfig(manual_dir=manual_dir)
-        builder.download_and_prepare(download_config=config)
+        make = lambda: builder.download_and_prepare(download_config=config)  # noqa: E731
     elif name == "fashion_mnist" and (idx_dir or Path(DEFAULT_IDX_DIR).is_dir()):
         builder = _local_fashion_mnist_builder(idx_dir or DEFAULT_IDX_DIR, data_dir)
-        builder.download_and_prepare()
+        make = builder.download_and_prepare
     elif name in ("fashion_mnist", "cifar10"):
         builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
-        builder.download_and_prepare()
+        make = builder.download_and_prepare
     elif name.startswith(FOLDER_PREFIX) or name == "image_folder":
         if not root:
             raise DatasetNotPreparedError("image_folder needs --root (with train/ and val/)")
         short = name[len(FOLDER_PREFIX) :] if name.startswith(FOLDER_PREFIX) else Path(root).name
-        builder = _image_folder_builder(root, short, data_dir)
-        builder.download_and_prepare()
+        try:
+            found = folder.scan(root)
+        except ValueError as e:
+            raise DatasetNotPreparedError(str(e)) from None
+        builder = folder.builder(found, short, data_dir)
+        make = builder.download_and_prepare
     else:
         raise ValueError(f"dataset={name!r} is not one of {(*SPECS, 'image_folder')}.")
+    version_dir = Path(builder.data_dir)
+    prepared = (version_dir / "dataset_info.json").exists()
+    if prepared and found is not None and not overwrite:
+        before = folder.recorded_source(version_dir)
+        if before is None or before.get("fingerprint") != found.fingerprint:
+            raise DatasetChangedError(
+                f"image folder {found.root} changed since it was prepared in {version_dir} "
+                "(files added, removed or modified): rerun the prepare command with "
+                "--overwrite to prepare it again (a run already trained on the old copy "
+                "should then start in a new workdir)."
+            )
+    if prepared and overwrite:
+        shutil.rmtree(version_dir)
+    make()
+    if found is not None:
+        folder.write_source(version_dir, found)
+        report(found.summary())
     return str(builder.data_dir)

@@ -66,6 +66,17 @@ def _open(encoded: bytes) -> Image.Image:
     return Image.open(io.BytesIO(encoded))
 
 
+def decode_error(encoded: bytes) -> str | None:
+    """Why `encoded` does not decode as an image (as the transforms decode it), or None."""
+    try:
+        with _open(encoded) as image:
+            image.load()
+    except DECODE_ERRORS as e:
+        text = str(e)
+        return type(e).__name__ + ("" if "BytesIO" in text or not text else f": {text}")
+    return None
+
+
 def decode_crop_resize(
     encoded: bytes | np.ndarray,
     window_fn,

@@ -1,0 +1,490 @@
+"""Faults and bad input from outside, as a user meets them (issue 16): each reproduced on
+`python main.py` or the prepare command in a subprocess, asserting the exit code, one
+error line naming the problem, the good checkpoints intact, and a rerun after the fault
+that ends with the uninterrupted run's params_sha256."""
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ml_collections
+import pytest
+
+from configs import smoke
+from largebatch_jax import workdir as wd
+from largebatch_jax.data import sources
+from largebatch_jax.metrics import read_metrics
+from largebatch_jax.validate import ConfigError
+from tests.runs import (
+    LONGER,
+    ROOT,
+    checkpoint_steps,
+    command,
+    env,
+    error_lines,
+    prepare_with_a_bad_record,
+    result,
+    run,
+    start,
+    wait_for_checkpoint,
+    without_timing,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def sha(workdir) -> str:
+    return result(workdir)["params_sha256"]
+
+
+def one_error(out, *words) -> str:
+    """The run's single `error:` line, with no traceback, containing every word."""
+    lines = error_lines(out.stderr)
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def readable_checkpoints(workdir) -> list[int]:
+    """The finished checkpoints, after checking that no save was left half-written."""
+    leftovers = [p.name for p in Path(workdir, "checkpoints").iterdir() if "tmp" in p.name]
+    assert not leftovers, leftovers
+    return checkpoint_steps(workdir)
+
+
+def test_torn_metrics_line_and_truncated_cache_then_the_rerun_is_exact(
+    tmp_path, fashion_mnist_dir, straight
+):
+    """Defects 1 and 7: SIGKILL in the middle, then the half line a disk that filled
+    during an append leaves at the end of metrics.jsonl, and a decoded-image cache cut
+    short. The rerun cuts the torn line, decodes the split again, and ends exactly."""
+    data_dir = tmp_path / "tfds"
+    shutil.copytree(fashion_mnist_dir, data_dir)
+    (cache,) = data_dir.rglob("decoded-train.npz")
+    proc = start(tmp_path / "wd", data_dir, *LONGER)
+    wait_for_checkpoint(proc, tmp_path / "wd", 16)
+    proc.kill()
+    proc.wait(timeout=60)
+    metrics = tmp_path / "wd" / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"step": 17, "epoch": 1.06, "train_lo')  # torn: no end, no newline
+    cache.write_bytes(cache.read_bytes()[:1000])
+    out = run(tmp_path / "wd", data_dir, *LONGER)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cut a torn last line" in out.stderr and "cannot be read" in out.stderr
+    for line in metrics.read_text().splitlines():
+        json.loads(line)  # every line is whole again
+    assert sha(tmp_path / "wd") == sha(straight)
+    assert without_timing(read_metrics(tmp_path / "wd")) == without_timing(read_metrics(straight))
+
+
+def test_resume_refuses_a_changed_config_and_a_finished_run_changes_nothing(
+    tmp_path, fashion_mnist_dir, straight
+):
+    """Defect 2, on the finished run and on the same run cut back to step 32."""
+    finished = tmp_path / "finished"
+    shutil.copytree(straight, finished)
+    before = {p: p.read_bytes() for p in (finished / "result.json", finished / "metrics.jsonl")}
+    steps = checkpoint_steps(finished)
+
+    out = run(finished, fashion_mnist_dir, *LONGER)
+    assert out.returncode == 0 and "done: top-1 error" in out.stdout, out.stderr[-3000:]
+    out = run(finished, fashion_mnist_dir, *LONGER, "--config.bn_group_size=2")
+    assert out.returncode == 2
+    one_error(out, "bn_group_size=4 (this config: 2)", "--config.bn_group_size=4")
+    out = run(
+        finished,
+        fashion_mnist_dir,
+        "--config.num_epochs=2.0",
+        "--config.decay_epochs=(1.0,1.5)",
+    )
+    assert out.returncode == 2
+    one_error(out, "decay_epochs=[2.0, 3.0] (this config: [1.0, 1.5])")
+    out = run(finished, fashion_mnist_dir, *LONGER[:2], "--config.eval_every_epochs=0.5")
+    assert out.returncode == 0, out.stderr[-3000:]  # a reporting interval may change
+    assert {p: p.read_bytes() for p in before} == before
+    assert checkpoint_steps(finished) == steps
+
+    half = tmp_path / "half"  # the same run as if stopped at step 32
+    shutil.copytree(straight, half)
+    for step in checkpoint_steps(half):
+        if step > 32:
+            shutil.rmtree(half / "checkpoints" / str(step))
+    (half / "result.json").unlink()
+    out = run(half, fashion_mnist_dir, *LONGER, "--config.lr_decay=cosine")
+    assert out.returncode == 2
+    one_error(out, "lr_decay='step' (this config: 'cosine')")
+    out = run(half, fashion_mnist_dir, *LONGER, "--config.seed=1", "--config.base_lr=0.2")
+    assert out.returncode == 2
+    one_error(out, "base_lr=0.1 (this config: 0.2), seed=0 (this config: 1)")
+    assert 32 in checkpoint_steps(half) and not (half / "result.json").exists()
+    out = run(half, fashion_mnist_dir, *LONGER)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming at step 32" in out.stderr and sha(half) == sha(straight)
+
+
+def test_resume_rules_for_num_epochs(tmp_path):
+    """num_epochs may change only while the rates already applied stay the same."""
+    recorded = smoke.get_config()
+    rec = json.loads(json.dumps(recorded.to_dict()))
+    longer = smoke.get_config()
+    longer.num_epochs = 3.0
+    wd.check_resume(rec, longer, 20, 16)  # step decay: extending the run is the same math
+    cosine = ml_collections.ConfigDict(dict(rec, lr_decay="cosine"))
+    cosine_longer = smoke.get_config()
+    cosine_longer.lr_decay, cosine_longer.num_epochs = "cosine", 4.0
+    with pytest.raises(ConfigError, match="changes the learning rate of the 13 steps"):
+        wd.check_resume(cosine.to_dict(), cosine_longer, 13, 16)
+    shorter = smoke.get_config()
+    shorter.num_epochs, shorter.decay_epochs = 1.0, (0.5, 0.75)
+    with pytest.raises(ConfigError, match="decay_epochs"):
+        wd.check_resume(rec, shorter, 32, 16)
+    shorter.decay_epochs = recorded.decay_epochs = (0.5, 0.75)
+    rec = json.loads(json.dumps(recorded.to_dict()))
+    with pytest.raises(ConfigError, match=r"ends before this workdir's checkpoint at step 32"):
+        wd.check_resume(rec, shorter, 32, 16)
+    changed = smoke.get_config()
+    changed.accum_steps, changed.workers, changed.data_dir = 2, 3, "/elsewhere"
+    wd.check_resume(json.loads(json.dumps(smoke.get_config().to_dict())), changed, 16, 16)
+
+
+def make_folder(root: Path, bad: bool) -> None:
+    """Two classes of real JPEGs; with `bad`, the files a user's folder really holds."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 8), ("val", 4)):
+        for c in ("a", "b"):
+            (root / split / c).mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                pixels = rng.integers(0, 255, (24, 32, 3), dtype=np.uint8)
+                buf = io.BytesIO()
+                Image.fromarray(pixels).save(buf, format="JPEG" if i % 4 else "PNG")
+                (root / split / c / f"{i}.jpg").write_bytes(buf.getvalue())  # some PNGs
+    if bad:
+        good = (root / "train" / "a" / "1.jpg").read_bytes()
+        (root / "train" / "a" / "9.jpg").write_bytes(good[: len(good) // 3])
+        (root / "train" / "b" / "README.txt").write_text("images of class b\n")
+        (root / "val" / "a" / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1" + bytes(64))
+
+
+def prepare(root, data_dir, *flags):
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "largebatch_jax.data.prepare",
+            "image_folder",
+            f"--root={root}",
+            "--name=pets",
+            f"--data_dir={data_dir}",
+            *flags,
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def records(data_dir, split):
+    source = sources.load_source("image_folder/pets", split, str(data_dir))
+    return [
+        (r["file_name"], r["label"], bytes(r["image"]))
+        for r in map(source.__getitem__, range(len(source)))
+    ]
+
+
+def test_prepare_leaves_out_undecodable_files_and_refuses_a_changed_folder(tmp_path):
+    """Defect 3: a truncated JPEG, README.txt and .DS_Store are left out and named in one
+    line (the PNGs named .jpg decode, and stay); the prepared data is exactly that of the
+    folder without them; a changed folder is refused until --overwrite."""
+    make_folder(tmp_path / "bad", bad=True)
+    out = prepare(tmp_path / "bad", tmp_path / "tfds")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (summary,) = [x for x in out.stdout.splitlines() if "left out" in x]
+    assert "24 images in 2 classes" in summary and "left out 3 file(s)" in summary
+    for name in ("train/a/9.jpg (OSError", "train/b/README.txt", "val/a/.DS_Store"):
+        assert name in summary, summary
+    make_folder(tmp_path / "clean", bad=False)
+    prepare(tmp_path / "clean", tmp_path / "tfds_clean").check_returncode()
+    for split in ("train", "validation"):
+        assert records(tmp_path / "tfds", split) == records(tmp_path / "tfds_clean", split)
+
+    again = prepare(tmp_path / "bad", tmp_path / "tfds")  # unchanged: reused
+    assert again.returncode == 0, again.stderr[-3000:]
+    shutil.copy(tmp_path / "bad/train/a/1.jpg", tmp_path / "bad/train/a/10.jpg")
+    refused = prepare(tmp_path / "bad", tmp_path / "tfds")
+    assert refused.returncode == 2
+    one_error(refused, "changed since it was prepared", "--overwrite")
+    assert len(records(tmp_path / "tfds", "train")) == 16  # the old copy, untouched
+    redone = prepare(tmp_path / "bad", tmp_path / "tfds", "--overwrite")
+    assert redone.returncode == 0, redone.stderr[-3000:]
+    assert len(records(tmp_path / "tfds", "train")) == 17
+
+
+FOLDER_RUN = (
+    "--config.dataset=image_folder/pets",
+    "--config.num_classes=2",
+    "--config.channels=3",
+    "--config.image_size=16",
+    "--config.batch_size=16",
+    "--config.bn_group_size=2",
+    "--config.base_batch_size=8",
+    "--config.train_subset=0",
+    "--config.eval_subset=0",
+    "--config.eval_batch_size=8",
+    "--config.eval_every_epochs=1.0",
+    "--config.checkpoint_every_steps=1",
+    "--config.num_epochs=3.0",
+    "--config.decay_epochs=(2.0,)",
+    "--config.warmup_epochs=1.0",
+)
+
+
+def test_an_undecodable_validation_image_keeps_the_checkpoints(tmp_path):
+    """Defect 3 in training: a bad validation image stops the run at its first
+    evaluation with one line naming the record and its file; the checkpoints before it
+    stay, and after the image is fixed the rerun ends as a run that never met it."""
+    make_folder(tmp_path / "pets", bad=False)
+    prepare(tmp_path / "pets", tmp_path / "clean").check_returncode()
+    reference = run(tmp_path / "ref", tmp_path / "clean", *FOLDER_RUN)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    good = (tmp_path / "pets/val/b/1.jpg").read_bytes()
+    (tmp_path / "pets/val/b/1.jpg").write_bytes(good[: len(good) // 2])
+    prepare_with_a_bad_record(tmp_path / "pets", tmp_path / "tfds", "pets", "val/b/1.jpg")
+    out = run(tmp_path / "wd", tmp_path / "tfds", *FOLDER_RUN)
+    assert out.returncode == 2, out.stderr[-3000:]
+    one_error(out, "validation record", "(b/1.jpg) cannot be decoded")
+    kept = readable_checkpoints(tmp_path / "wd")
+    assert kept == [0]  # the evaluation of step 1 comes before that step's checkpoint
+
+    (tmp_path / "pets/val/b/1.jpg").write_bytes(good)
+    redone = prepare(tmp_path / "pets", tmp_path / "tfds", "--overwrite")
+    assert redone.returncode == 0, redone.stderr[-3000:]
+    out = run(tmp_path / "wd", tmp_path / "tfds", *FOLDER_RUN)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sha(tmp_path / "wd") == sha(tmp_path / "ref")
+
+
+def test_second_run_in_a_workdir_is_refused_and_sigint_keeps_every_checkpoint(
+    tmp_path, fashion_mnist_dir, straight
+):
+    """Defects 4 and 5: a second start in a workdir in use stops at once naming the run;
+    SIGINT during a checkpoint save waits for it and exits 130; the rerun is exact."""
+    workdir = tmp_path / "wd"
+    first = start(workdir, fashion_mnist_dir, *LONGER)
+    wait_for_checkpoint(first, workdir, 8)
+    first.send_signal(signal.SIGSTOP)  # held while the second starts (the run is short)
+    try:
+        second = run(workdir, fashion_mnist_dir, *LONGER, timeout=120)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert second.returncode == 2, second.stderr[-3000:]
+    one_error(second, "is in use by another run", f"pid {first.pid} on ")
+    assert first.poll() is None  # the running one goes on
+
+    folder_ = workdir / "checkpoints"
+    deadline = time.time() + 120
+    while time.time() < deadline:  # SIGINT the moment a save is in flight
+        if any("tmp" in p.name for p in folder_.iterdir()) or 40 in checkpoint_steps(workdir):
+            break
+        time.sleep(0.002)
+    first.send_signal(signal.SIGINT)
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 130, stderr[-3000:]
+    lines = error_lines(stderr)
+    assert len(lines) == 1 and "interrupted (SIGINT)" in lines[0], stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    kept = readable_checkpoints(workdir)
+    assert f"checkpoints at steps {kept}" in lines[0]
+    assert not (workdir / wd.WorkdirLock.NAME).exists()
+    out = run(workdir, fashion_mnist_dir, *LONGER)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming at step {max(kept)}" in out.stderr
+    assert sha(workdir) == sha(straight)
+
+
+def test_lock_staleness(tmp_path):
+    """A lock whose process is gone (this host) or whose heartbeat stopped (any host) is
+    replaced; a live one, or another host's fresh one, is not."""
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(gone.stdout)
+    lock = wd.WorkdirLock(tmp_path)
+    lock.path.write_text(json.dumps({"pid": dead_pid, "host": lock.me["host"], "since": "x"}))
+    assert "stale lock" in lock.acquire()
+    with pytest.raises(wd.WorkdirError, match=r"in use by another run \(pid \d+ on "):
+        wd.WorkdirLock(tmp_path).acquire()  # this process holds it
+    old = time.time() - 120
+    os.utime(lock.path, (old, old))  # a stopped run: on its own host the pid decides
+    with pytest.raises(wd.WorkdirError, match="in use by another run"):
+        wd.WorkdirLock(tmp_path).acquire()
+    lock.release()
+    assert not lock.path.exists()
+    lock.path.write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "x"}))
+    with pytest.raises(wd.WorkdirError, match="pid 1 on elsewhere, since x"):
+        wd.WorkdirLock(tmp_path).acquire()
+    old = time.time() - 120
+    os.utime(lock.path, (old, old))  # elsewhere's heartbeat stopped two minutes ago
+    other = wd.WorkdirLock(tmp_path)
+    assert "stale lock" in other.acquire()
+    other.release()
+
+
+def test_a_save_is_not_started_without_room_for_it(tmp_path, monkeypatch):
+    """The full disk found before a save (one ENOSPC OSError, nothing written), not
+    half-way through it in orbax's threads."""
+    import errno
+
+    import jax.numpy as jnp
+
+    from largebatch_jax import checkpoint
+
+    ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints", keep=3)
+    state = {"w": jnp.zeros((512, 1024))}  # 2 MiB
+    total = shutil.disk_usage(tmp_path).total
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(total, 0, 4 << 20))
+    assert ckpt.save(0, state, {"step": 0})
+    ckpt.wait()
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(total, 0, 2 << 20))
+    with pytest.raises(OSError) as e:
+        ckpt.save(8, state, {"step": 8})
+    assert e.value.errno == errno.ENOSPC and wd.is_disk_full(e.value)
+    ckpt.close()
+    assert ckpt.steps() == [0] and os.listdir(tmp_path / "checkpoints") == ["0"]
+
+
+UNSHARE = shutil.which("unshare")
+
+
+@pytest.mark.skipif(UNSHARE is None, reason="needs unshare(1) to mount a small tmpfs")
+def test_disk_full_is_one_line_and_the_rerun_is_exact(tmp_path, fashion_mnist_dir, straight):
+    """Defect 6: the workdir on a 64 MiB tmpfs (a private mount namespace) that a file
+    fills once checkpoint 16 exists (the run held meanwhile, so that the fault lands
+    between two saves: the next write finds the disk full); after the fault, the file is
+    removed and the same command resumes, in the same namespace, to the uninterrupted
+    run's parameters."""
+    mnt, out = tmp_path / "mnt", tmp_path / "out"
+    mnt.mkdir(), out.mkdir()
+    main = shlex.join(command(f"{mnt}/wd", fashion_mnist_dir, *LONGER))
+    script = f"""
+set -u
+mount -t tmpfs -o size=64m tmpfs {mnt} || exit 99
+{main} > {out}/first.out 2> {out}/first.err &
+pid=$!
+while [ ! -d {mnt}/wd/checkpoints/16 ]; do sleep 0.02; done
+kill -STOP $pid  # the disk fills between two saves, as another job's files would fill it
+dd if=/dev/zero of={mnt}/fill bs=64k 2>/dev/null
+kill -CONT $pid
+wait $pid
+echo $? > {out}/first.rc
+ls {mnt}/wd/checkpoints > {out}/after_fault.ls
+rm -f {mnt}/fill
+{main} > {out}/second.out 2> {out}/second.err
+echo $? > {out}/second.rc
+cp {mnt}/wd/result.json {mnt}/wd/metrics.jsonl {out}/
+"""
+    done = subprocess.run(
+        [UNSHARE, "-r", "-m", "bash", "-c", script], cwd=ROOT, env=env(), timeout=600
+    )
+    if done.returncode == 99:
+        pytest.skip("cannot mount a tmpfs in a user namespace here")
+    first_err = (out / "first.err").read_text()
+    assert (out / "first.rc").read_text().strip() == "2", first_err[-3000:]
+    lines = error_lines(first_err)
+    assert len(lines) == 1 and "no space left on the device" in lines[0], first_err[-3000:]
+    assert "Traceback" not in first_err, first_err[-3000:]
+    kept = sorted(int(x) for x in (out / "after_fault.ls").read_text().split() if x.isdigit())
+    assert 16 in kept and f"checkpoints at steps {kept}" in lines[0]
+    second_err = (out / "second.err").read_text()
+    assert (out / "second.rc").read_text().strip() == "0", second_err[-3000:]
+    assert json.loads((out / "result.json").read_text())["params_sha256"] == sha(straight)
+    assert without_timing(read_metrics(out)) == without_timing(read_metrics(straight))
+
+
+def test_corrupt_or_missing_prepared_files_are_one_line(tmp_path, fashion_mnist_dir):
+    """Defect 7: a deleted or truncated array_record shard (without the decoded cache
+    that would hide it) is the one-line 'cannot be read' error with the command that
+    prepares it again; that command (--overwrite) then makes it whole."""
+    data_dir = tmp_path / "tfds"
+    shutil.copytree(fashion_mnist_dir, data_dir)
+    for cache in data_dir.rglob("decoded-*.npz"):
+        cache.unlink()
+    (shard,) = [p for p in data_dir.rglob("*test.array_record*")]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    out = run(tmp_path / "wd", data_dir, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = one_error(out, "fashion_mnist", "split 'test' cannot be read", "--overwrite`")
+    shard.unlink()
+    out = run(tmp_path / "wd", data_dir, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    one_error(out, "split 'test' cannot be read")
+    fix = line.split("`")[1]
+    assert fix.startswith("python -m largebatch_jax.data.prepare fashion_mnist")
+    subprocess.run(
+        [sys.executable, *fix.split()[1:]],
+        cwd=ROOT,
+        env=env(),
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    assert len(sources.load_source("fashion_mnist", "test", str(data_dir))) == 10000
+
+
+BAD_FILES = {
+    "typo": (
+        ["--config=configs/smoke.py", "--config.batch_szie=64"],
+        "no field 'batch_szie' (did you mean 'batch_size'?)",
+    ),
+    "missing": (["--config=configs/nope.py"], "no such config file 'configs/nope.py'"),
+    "syntax": (None, "syntax error in"),
+    "value": (["--config=configs/smoke.py", "--config.batch_size=abc"], "--config.batch_size=abc"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_config_files_and_fields_are_one_line(tmp_path, case):
+    """Defect 8: a typo in a field, a missing file, a syntax error, a value of the wrong
+    type: one line, exit 2, before anything is built."""
+    argv, words = BAD_FILES[case]
+    if argv is None:
+        bad = tmp_path / "broken.py"
+        bad.write_text("def get_config(:\n    pass\n")
+        argv = [f"--config={bad}"]
+    out = subprocess.run(
+        [sys.executable, "main.py", *argv, f"--workdir={tmp_path / 'wd'}"],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    one_error(out, words)
+    assert not (tmp_path / "wd").exists()
+
+
+def test_tilde_workdir_and_data_dir_are_expanded(tmp_path):
+    """Defect 9: `--workdir=~/x` is $HOME/x (no directory named '~'), data_dir too."""
+    home = tmp_path / "home"
+    home.mkdir()
+    out = run("~/wd", "~/no_data", extra_env={"HOME": str(home)}, timeout=120)
+    assert out.returncode == 2
+    one_error(out, f"is not prepared in {home}/no_data")
+    assert (home / "wd").is_dir() and not (ROOT / "~").exists()
