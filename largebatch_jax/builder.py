@@ -120,7 +120,16 @@ def build_training(
     normalize = pixel_normalization(config)
     train_step = engine.map(
         make_train_step(
-            model, tx, learning_rate_fn, config.accum_steps, config.accum_loop, platform, normalize
+            model,
+            tx,
+            learning_rate_fn,
+            config.accum_steps,
+            config.accum_loop,
+            platform,
+            normalize,
+            reduction=config.reduction,
+            bn_group_size=config.bn_group_size,
+            bn_momentum=config.bn_momentum,
         ),
         donate_state=True,
     )
@@ -132,5 +141,7 @@ def build_training(
         input_shape=input_shape(config),
         state=state,
         train_step=train_step,
-        eval_step=engine.map(make_eval_step(model, normalize)),
+        eval_step=engine.map(
+            make_eval_step(model, normalize, config.reduction, config.bn_group_size)
+        ),
     )

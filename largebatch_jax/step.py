@@ -4,7 +4,9 @@ A device holds `accum_steps * micro_batch` images of the global minibatch kn. Fo
 micro-step it runs the model with BatchNorm over groups of n, takes the mean
 cross-entropy and its gradient; the gradients are averaged over micro-steps and then
 `lax.pmean`-ed over devices, which is exactly the gradient of the loss averaged over all
-kn images (paper Remark 3; README, "The engine").
+kn images (paper Remark 3; README, "The engine"). With `reduction='exact'` the same sums
+are made bit-identical across layouts: every group of n is one call of one compiled
+body, and the k groups are summed in one fixed tree (`exact`).
 
 This module never sees a config and imports only jax, flax, optax, numpy and the
 project's parts, so the step compiles (and is benchmarked) wherever JAX runs: a GPU image
@@ -25,8 +27,10 @@ import numpy as np
 import optax
 from flax import linen as nn
 
-from largebatch_jax import parallel
+from largebatch_jax import exact, parallel
 from largebatch_jax.parallel import AXIS
+
+REDUCTIONS = ("fast", "exact")
 
 
 @flax.struct.dataclass
@@ -130,6 +134,9 @@ def make_train_step(
     accum_loop: str = "auto",
     platform: str | None = None,
     normalize: Callable[[jax.Array], jax.Array] | None = None,
+    reduction: str = "fast",
+    bn_group_size: int | None = None,
+    bn_momentum: float = 0.9,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """The per-device SGD update (paper rules 7, 9, 15); map it with `DataParallel.map`.
 
@@ -141,10 +148,18 @@ def make_train_step(
     same order; 'auto' picks the faster for `platform` (the backend the step will run
     on; default: this process's), see `parallel.resolve_accum_loop`. `normalize` maps the
     batch's pixels to the model's input (a `PixelNormalization`); None: used as given.
+    `reduction='exact'` (needs `bn_group_size` and the model's `bn_momentum`):
+    `exact_sums` instead of the micro-steps and `pmean`, bit-identical for every layout
+    of the same kn and n; accum_steps and accum_loop then change nothing.
     """
     accum_loop = parallel.resolve_accum_loop(accum_loop, platform or jax.default_backend())
     if accum_loop not in parallel.ACCUM_LOOPS:
         raise ValueError(f"accum_loop={accum_loop!r} is not one of {parallel.ACCUM_LOOPS}.")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} is not one of {REDUCTIONS}.")
+    if reduction == "exact" and not bn_group_size:
+        raise ValueError("reduction='exact' needs bn_group_size.")
+    norm = exact.norm if reduction == "exact" else optax.tree.norm
 
     def loss_fn(params, batch_stats, images, labels):
         logits, updated = model.apply(
@@ -157,10 +172,46 @@ def make_train_step(
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
+    def group_step(params, batch_stats, x, y):
+        (loss, (logits, stats)), grads = grad_fn(params, batch_stats, x, y)
+        return grads, stats, loss, topk_errors(logits, y, 1).mean()
+
+    def exact_sums(state: TrainState, images, labels):
+        """The mean over the kn images of every group's gradient, BN statistics update,
+        loss and error, bit-identical on every layout: each group of n is one pass of one
+        compiled loop body (`exact.map_groups`), then the k groups are summed in the fixed
+        tree of `exact` (this device's block, then the devices in order) and divided by
+        k. A group sees running statistics of zero, so it returns (1 - momentum) x its
+        batch statistics; momentum x the old ones is added once, after the sum (inside
+        the body, XLA fused that product differently by layout: last-bit differences)."""
+        groups = images.shape[0] // bn_group_size
+        if groups & (groups - 1):
+            raise ValueError(
+                f"reduction='exact' needs a power-of-two number of BN groups per device, "
+                f"not {groups} ({images.shape[0]} images / bn_group_size={bn_group_size})."
+            )
+        local_params = _varying(state.params)
+        zero_stats = jax.tree.map(jnp.zeros_like, state.batch_stats)
+        per_group = exact.map_groups(
+            lambda xy: group_step(local_params, zero_stats, *xy),
+            (
+                images.reshape(groups, bn_group_size, *images.shape[1:]),
+                labels.reshape(groups, bn_group_size),
+            ),
+            AXIS,
+        )
+        devices = jax.lax.axis_size(AXIS)
+        total = exact.device_sum(exact.tree_sum_leaves(per_group), AXIS, devices)
+        grads, stats, loss, error = jax.tree.map(lambda s: s / (groups * devices), total)
+        stats = jax.tree.map(lambda old, new: bn_momentum * old + new, state.batch_stats, stats)
+        return grads, stats, loss, error
+
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         images, labels = batch["image"], batch["label"]
         if normalize is not None:
             images = normalize(images)
+        if reduction == "exact":
+            return update(state, *exact_sums(state, images, labels))
         if images.shape[0] % accum_steps:
             raise ValueError(
                 f"accum_steps={accum_steps} does not divide the per-device batch {images.shape[0]}."
@@ -177,8 +228,7 @@ def make_train_step(
         def micro_step(x, y):
             # Every micro-step starts from the same BN statistics: each group is one
             # worker's update of the old running averages, later averaged (rule 9).
-            (loss, (logits, stats)), grads = grad_fn(local_params, state.batch_stats, x, y)
-            return grads, stats, loss, topk_errors(logits, y, 1).mean()
+            return group_step(local_params, state.batch_stats, x, y)
 
         if accum_loop == "unroll":
             sums = micro_step(images[0], labels[0])
@@ -193,15 +243,14 @@ def make_train_step(
                 _varying(zeros),
                 (images, labels),
             )
-        grads, batch_stats, loss, error = jax.lax.pmean(
-            jax.tree.map(lambda s: s / accum_steps, sums), AXIS
-        )
+        return update(state, *jax.lax.pmean(jax.tree.map(lambda s: s / accum_steps, sums), AXIS))
 
+    def update(state: TrainState, grads, batch_stats, loss, error):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # A non-finite loss or gradient leaves the state as it was (the step still counts),
         # so the state in memory is always a good one; the loop stops or skips on the flag.
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         new_state = state.replace(
             step=state.step + 1,
@@ -215,7 +264,7 @@ def make_train_step(
             "train_error": error,
             "learning_rate": jnp.asarray(learning_rate_fn(state.step), jnp.float32),
             "grad_norm": grad_norm,
-            "param_norm": optax.tree.norm(new_state.params),
+            "param_norm": norm(new_state.params),
         }
         return new_state, metrics
 
@@ -223,31 +272,58 @@ def make_train_step(
 
 
 def make_eval_step(
-    model: nn.Module, normalize: Callable[[jax.Array], jax.Array] | None = None
+    model: nn.Module,
+    normalize: Callable[[jax.Array], jax.Array] | None = None,
+    reduction: str = "fast",
+    chunk: int | None = None,
 ) -> Callable[[TrainState, dict], dict]:
     """Per-device evaluation with the running BN statistics (pixels through `normalize`,
     as in training).
 
     batch: {'image', 'label', 'mask'}; padded examples have mask 0. Returns sums over all
     devices (`count`, `loss_sum`, `top1_errors`, `top5_errors`) so that the host can add
-    batches and divide once: every real image counts exactly once.
+    batches and divide once: every real image counts exactly once. `reduction='exact'`:
+    the model runs on `chunk` images at a time (`lax.map`, one compiled body whatever the
+    per-device batch), and the per-image values of the whole batch, gathered in batch
+    order, are summed in the fixed tree: the same bits on every layout.
     """
 
-    def eval_step(state: TrainState, batch: dict) -> dict:
-        images = batch["image"] if normalize is None else normalize(batch["image"])
+    def per_image(state: TrainState, images, labels, mask):
         logits = model.apply(
             {"params": state.params, "batch_stats": state.batch_stats},
             images,
             train=False,
         )
-        labels, mask = batch["label"], batch["mask"].astype(jnp.float32)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-        sums = {
-            "count": jnp.sum(mask),
-            "loss_sum": jnp.sum(loss * mask),
-            "top1_errors": jnp.sum(topk_errors(logits, labels, 1) * mask),
-            "top5_errors": jnp.sum(topk_errors(logits, labels, 5) * mask),
+        return {
+            "count": mask,
+            "loss_sum": loss * mask,
+            "top1_errors": topk_errors(logits, labels, 1) * mask,
+            "top5_errors": topk_errors(logits, labels, 5) * mask,
         }
-        return jax.lax.psum(sums, AXIS)
+
+    def eval_step(state: TrainState, batch: dict) -> dict:
+        images = batch["image"] if normalize is None else normalize(batch["image"])
+        labels, mask = batch["label"], batch["mask"].astype(jnp.float32)
+        if reduction != "exact":
+            values = per_image(state, images, labels, mask)
+            return jax.lax.psum(jax.tree.map(jnp.sum, values), AXIS)
+        if images.shape[0] % chunk:
+            raise ValueError(
+                f"the per-device eval batch {images.shape[0]} is not whole chunks of {chunk}."
+            )
+        chunks = images.shape[0] // chunk
+        values = exact.map_groups(
+            lambda xym: per_image(state, *xym),
+            (
+                images.reshape(chunks, chunk, *images.shape[1:]),
+                labels.reshape(chunks, chunk),
+                mask.reshape(chunks, chunk),
+            ),
+            AXIS,
+        )
+        flat = jax.tree.map(lambda v: v.reshape(-1), values)  # batch order
+        gathered = exact.all_gather_invariant(flat, AXIS, tiled=True)
+        return jax.tree.map(exact.tree_sum, gathered)
 
     return eval_step

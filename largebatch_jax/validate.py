@@ -8,6 +8,7 @@ from typing import Any
 from largebatch_jax import parallel, schedules
 from largebatch_jax.models.resnet import CONV_IMPLS, DTYPES, MODEL_NAMES
 from largebatch_jax.optim import OPTIMIZERS, UPDATE_FORMS
+from largebatch_jax.step import REDUCTIONS
 
 
 class ConfigError(ValueError):
@@ -48,6 +49,7 @@ RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "bn_momentum": ((float,), lambda v: 0 <= v < 1, "in [0, 1)"),
     "bn_epsilon": ((float,), _positive, "> 0"),
     "bn_sync": ((bool,), None, ""),
+    "reduction": ((str,), lambda v: v in REDUCTIONS, f"one of {REDUCTIONS}"),
     "base_lr": ((float, int), _positive, "> 0"),
     "base_batch_size": ((int,), _positive, "> 0"),
     "lr_scaling": (
@@ -127,4 +129,37 @@ def validate_config(config: Any, num_devices: int) -> int:
             f"config.eval_batch_size={config.eval_batch_size} is not divisible by the "
             f"{num_devices} devices."
         )
+    if config.reduction == "exact":
+        _check_exact(config, num_devices)
     return micro
+
+
+def _check_exact(config: Any, num_devices: int) -> None:
+    """Where reduction='exact' can keep its promise (step.exact_sums, exact.py): the tree
+    of the k groups splits into the devices' blocks only for a power-of-two number of
+    groups per device; per-worker BN; no reduction the optimizer makes itself."""
+    kn, n = config.batch_size, config.bn_group_size
+    groups = kn // num_devices // n
+    if groups & (groups - 1):
+        raise ConfigError(
+            f"config.reduction='exact' needs a power-of-two number of BN groups per device, "
+            f"but batch_size={kn} / {num_devices} devices / bn_group_size={n} = {groups}: "
+            "change batch_size or the number of devices, or set reduction='fast'."
+        )
+    if config.bn_sync:
+        raise ConfigError(
+            "config.reduction='exact' sums per-worker BN groups and does not apply with "
+            "bn_sync=True: set reduction='fast'."
+        )
+    if config.optimizer == "lars":
+        raise ConfigError(
+            "config.reduction='exact' does not cover optimizer='lars' (its layer norms are "
+            "XLA reductions in an order of XLA's choosing): set reduction='fast'."
+        )
+    per_device = config.eval_batch_size // num_devices
+    if per_device % n:
+        raise ConfigError(
+            f"config.eval_batch_size={config.eval_batch_size} gives {per_device} images per "
+            f"device, not a multiple of bn_group_size={n} (exact evaluation runs n images "
+            "at a time): change eval_batch_size, or set reduction='fast'."
+        )

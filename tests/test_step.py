@@ -7,14 +7,16 @@ steps x 8.
 """
 
 import functools
+import hashlib
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 import pytest
 
-from largebatch_jax import optim, parallel, schedules
+from largebatch_jax import exact, optim, parallel, schedules
 from largebatch_jax import step as step_lib
 from largebatch_jax.models import create_model
 
@@ -72,12 +74,16 @@ def run(
     bn_sync=False,
     steps=2,
     accum_loop="auto",  # what main.py uses on this backend (a Python loop on CPU)
+    reduction="fast",
 ):
     engine = parallel.DataParallel(parallel.create_mesh(jax.devices()[:devices]), parallelism)
     parallel.micro_batch_size(KN, devices, accum_steps, bn_group_size)
     net = model(bn_group_size, bn_sync)
     step = engine.map(
-        step_lib.make_train_step(net, TX, LR_FN, accum_steps, accum_loop), donate_state=True
+        step_lib.make_train_step(
+            net, TX, LR_FN, accum_steps, accum_loop, reduction=reduction, bn_group_size=N
+        ),
+        donate_state=True,
     )
     state = engine.replicate(initial_state())
     history = []
@@ -89,6 +95,14 @@ def run(
 
 def assert_trees_close(a, b, rtol=1e-4, atol=1e-6):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+def digest(tree) -> str:
+    """sha256 over every leaf's bytes, in pytree order: equal only if bit-identical."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        h.update(np.ascontiguousarray(leaf).tobytes())
+    return h.hexdigest()
 
 
 def max_rel_diff(a, b):
@@ -253,3 +267,139 @@ def test_prefetch_keeps_order_and_extras_and_raises_errors():
 
     with pytest.raises(OSError, match="disk gone"):
         list(engine.prefetch(broken(), size=2))
+
+
+# ------------------------------------------------------------------ reduction='exact'
+
+EXACT_LAYOUTS = {  # (devices, accum_steps, parallelism): every layout of kn=32, n=4
+    "4dev_x_8img": (4, 1, "shard_map"),
+    "2dev_x_16img": (2, 1, "shard_map"),
+    "1dev_x_32img": (1, 1, "shard_map"),
+    "2dev_x_2accum_x_8img": (2, 2, "shard_map"),
+    "1dev_x_8accum_x_4img": (1, 8, "shard_map"),
+    "8dev_pmap": (8, 1, "pmap"),
+}
+
+
+@pytest.mark.parametrize("layout", list(EXACT_LAYOUTS))
+def test_exact_mode_is_bit_identical_on_every_layout(layout):
+    """The invariance promise, bitwise: two updates of kn=32, n=4 on 8 devices x 4
+    images and on every other layout give the same bits of parameters, BN statistics,
+    optimizer state and metrics."""
+    ref_state, ref_metrics = run(8, 1, reduction="exact")
+    state, metrics = run(*EXACT_LAYOUTS[layout], reduction="exact")
+    assert int(state.step) == 2
+    for part in ("params", "batch_stats", "opt_state"):
+        assert digest(getattr(state, part)) == digest(getattr(ref_state, part)), part
+    assert digest(metrics) == digest(ref_metrics)
+    assert max_rel_diff(ref_state.params, initial_state().params) > 1e-3  # it moved
+
+
+def test_exact_mode_is_the_same_math_as_fast():
+    fast, fast_metrics = run(8, 1)
+    exact_state, exact_metrics = run(8, 1, reduction="exact")
+    assert_trees_close(exact_state.params, fast.params)
+    assert_trees_close(exact_state.batch_stats, fast.batch_stats)
+    assert_trees_close(exact_metrics, fast_metrics)
+
+
+def tree_sum_reference(values: np.ndarray) -> np.float32:
+    """The documented tree in plain float32 numpy: adjacent pairs, odd last carried up."""
+    level = [np.float32(v) for v in values]
+    while len(level) > 1:
+        pairs = [np.float32(level[i] + level[i + 1]) for i in range(0, len(level) - 1, 2)]
+        level = pairs + level[len(pairs) * 2 :]
+    return level[0]
+
+
+def test_exact_sums_are_the_fixed_tree_not_a_reduce():
+    """exact.tree_sum is the documented tree, bit for bit, on values whose sum depends
+    on the order (a wide dynamic range); a reduce (jnp.sum, any order XLA picks) gives
+    other bits on some of them, so replacing the tree by a reduce fails here."""
+    rng = np.random.default_rng(0)
+    differs_from_reduce = 0
+    for length in range(1, 40):
+        values = (rng.normal(size=length) * 10.0 ** rng.integers(-6, 8, size=length)).astype(
+            np.float32
+        )
+        got = np.asarray(jax.jit(exact.tree_sum)(jnp.asarray(values)))
+        assert got.tobytes() == tree_sum_reference(values).tobytes(), length
+        differs_from_reduce += got.tobytes() != np.asarray(jnp.sum(values)).tobytes()
+    assert differs_from_reduce > 0
+    # the vector form, on every element of a parameter-like array
+    block = (rng.normal(size=(3, 5, 7)) * 1e4).astype(np.float32)
+    assert np.asarray(exact.vector_sum(jnp.asarray(block))).tobytes() == (
+        tree_sum_reference(block.reshape(-1)).tobytes()
+    )
+
+
+def test_exact_step_sums_through_the_tree_with_no_all_reduce(monkeypatch):
+    """The exact step's sums go through exact.tree_sum (over groups, devices, the norms)
+    and its program has no all-reduce: a reduce put back in the step fails here."""
+    calls = []
+    real = exact.tree_sum
+    monkeypatch.setattr(exact, "tree_sum", lambda x: calls.append(x.shape) or real(x))
+    engine = parallel.DataParallel(parallel.create_mesh(jax.devices()[:4]), "shard_map")
+    step = engine.map(
+        step_lib.make_train_step(model(), TX, LR_FN, reduction="exact", bn_group_size=N)
+    )
+    state = engine.replicate(initial_state())
+    hlo = step.lower(state, engine.shard_batch(BATCHES[0])).compile().as_text()
+    assert "all-reduce" not in hlo
+    assert "all-to-all" in hlo and "all-gather" in hlo
+    groups_per_device = KN // 4 // N
+    leaves = len(jax.tree.leaves((initial_state().params, initial_state().batch_stats)))
+    over_groups = [c for c in calls if c and c[0] == groups_per_device]
+    assert len(over_groups) >= leaves + 2  # every gradient and BN leaf, loss and error
+    assert any(c == (4, c[1]) for c in calls if len(c) == 2)  # the devices' slices
+
+
+def test_exact_mode_needs_a_power_of_two_of_groups_per_device():
+    engine = parallel.DataParallel(parallel.create_mesh(jax.devices()[:8]), "shard_map")
+    step = engine.map(
+        step_lib.make_train_step(model(), TX, LR_FN, reduction="exact", bn_group_size=N)
+    )
+    batch = {k: np.concatenate([v, v, v]) for k, v in BATCHES[0].items()}  # 3 groups each
+    with pytest.raises(ValueError, match="power-of-two number of BN groups per device"):
+        step(engine.replicate(initial_state()), engine.shard_batch(batch))
+
+
+def exact_eval(devices: int) -> dict:
+    engine = parallel.DataParallel(parallel.create_mesh(jax.devices()[:devices]), "shard_map")
+    state, _ = run(8, 1, reduction="exact")  # trained BN statistics
+    eval_step = engine.map(step_lib.make_eval_step(model(), None, "exact", N))
+    batch = dict(BATCHES[2], mask=(np.arange(KN) < 27).astype(np.float32))
+    return jax.device_get(eval_step(engine.replicate(state), engine.shard_batch(batch)))
+
+
+def test_exact_eval_is_bit_identical_on_every_layout_and_counts_each_image_once():
+    sums = {d: exact_eval(d) for d in (8, 2, 1)}
+    assert digest(sums[2]) == digest(sums[8]) and digest(sums[1]) == digest(sums[8])
+    engine = parallel.DataParallel(parallel.create_mesh(), "shard_map")
+    state, _ = run(8, 1, reduction="exact")
+    fast = engine.map(step_lib.make_eval_step(model()))
+    batch = dict(BATCHES[2], mask=(np.arange(KN) < 27).astype(np.float32))
+    expected = jax.device_get(fast(engine.replicate(state), engine.shard_batch(batch)))
+    assert sums[8]["count"] == 27
+    assert_trees_close(sums[8], expected)
+
+
+@pytest.mark.parametrize(
+    "changes,devices,message",
+    [
+        ({"batch_size": 96}, 8, r"power-of-two number of BN groups per device, but batch_size=96"),
+        ({"bn_sync": True}, 8, r"does not apply with bn_sync=True"),
+        ({"optimizer": "lars"}, 8, r"does not cover optimizer='lars'"),
+        ({"eval_batch_size": 80}, 8, r"eval_batch_size=80 gives 10 images per device"),
+    ],
+)
+def test_exact_mode_config_limits_are_one_line(changes, devices, message):
+    from configs import smoke
+    from largebatch_jax.validate import ConfigError, validate_config
+
+    config = smoke.get_config()
+    config.reduction = "exact"
+    validate_config(config, devices)  # the smoke config itself is fine
+    config.update(changes)
+    with pytest.raises(ConfigError, match=message):
+        validate_config(config, devices)

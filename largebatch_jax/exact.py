@@ -1,0 +1,96 @@
+"""Sums whose order is fixed by the index of what is summed, not by the layout
+(`config.reduction='exact'`, the invariance promise made bitwise).
+
+XLA may sum the elements of a reduce op, and the contributions of an all-reduce, in any
+order, and different programs (8 devices x 1 group, 1 device x 8 groups) choose
+differently. Here every sum is a fixed balanced binary tree of explicit elementwise adds:
+adjacent pairs (0+1, 2+3, ...) level by level, an odd last element carried up to the next
+level. Over k = D x G groups with G (groups per device) a power of two, the first
+log2(G) levels stay within each device's contiguous block of groups, so the tree of the
+groups equals the in-device tree followed by the same tree over the D device sums:
+identical bits for every D, G and process count with the same k.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
+
+try:  # Varying -> invariant: the gathered sum is typed as the same on every device
+    all_gather_invariant = jax.lax.all_gather_invariant
+except AttributeError:  # jax 0.10 has it, not yet exported
+    from jax._src.lax.parallel import all_gather_invariant
+
+
+def map_groups(fn, xs: Any, axis_name: str | None = None) -> Any:
+    """`lax.map(fn, xs)` (fn on each slice along axis 0, results stacked) as a loop whose
+    trip count XLA cannot see, so that every layout runs `fn` as the same compiled loop
+    body: XLA inlines a loop it knows runs once (the usual case of one group per device),
+    and the inlined copy, fused with its surroundings, rounds differently (measured: the
+    BN statistics of 8 devices x 1 group differed in the last bit from every other
+    layout's). Inside a mapped step, `axis_name` types the results as differing per
+    device (as the loop's carry must be)."""
+    length = jax.tree.leaves(xs)[0].shape[0]
+    first = jax.eval_shape(fn, jax.tree.map(lambda x: x[0], xs))
+    stacked = jax.tree.map(lambda s: jnp.zeros((length, *s.shape), s.dtype), first)
+    # The trip count through an optimization barrier: a value XLA does not fold.
+    count = jax.lax.optimization_barrier(jnp.int32(length))
+
+    def body(i, out):
+        item = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False), xs)
+        # Barriers keep fn's computation apart from the slicing and the stacking, whose
+        # shapes depend on the layout (fused together, XLA compiled the BN statistics'
+        # reductions differently for one group per device than for more).
+        result = jax.lax.optimization_barrier(fn(jax.lax.optimization_barrier(item)))
+        return jax.tree.map(
+            lambda o, r: jax.lax.dynamic_update_index_in_dim(o, r, i, 0), out, result
+        )
+
+    if axis_name is not None:
+        stacked = jax.tree.map(lambda x: jax.lax.pcast(x, axis_name, to="varying"), stacked)
+    return jax.lax.fori_loop(0, count, body, stacked)
+
+
+def tree_sum(x: jax.Array) -> jax.Array:
+    """Sum over axis 0 in the fixed tree (adjacent pairs, odd last carried up)."""
+    while x.shape[0] > 1:
+        even = x.shape[0] // 2 * 2
+        paired = x[0:even:2] + x[1:even:2]
+        x = paired if even == x.shape[0] else jnp.concatenate([paired, x[even:]])
+    return x[0]
+
+
+def tree_sum_leaves(stacked: Any) -> Any:
+    """`tree_sum` of every leaf of a pytree stacked along axis 0 (e.g. `lax.map`'s)."""
+    return jax.tree.map(tree_sum, stacked)
+
+
+def vector_sum(x: jax.Array) -> jax.Array:
+    """The sum of all elements of `x` in the fixed tree over its flattened index."""
+    return tree_sum(x.reshape(-1))
+
+
+def norm(tree: Any) -> jax.Array:
+    """The global L2 norm of a pytree: its squares summed in the fixed tree, over the
+    leaves flattened in pytree order."""
+    flat, _ = ravel_pytree(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree))
+    return jnp.sqrt(vector_sum(flat * flat))
+
+
+def device_sum(tree: Any, axis_name: str, num_devices: int) -> Any:
+    """Inside a mapped step: the sum over devices of each device's `tree`, in device
+    order, the same bits on every device. A deterministic all-reduce with a ring's
+    bandwidth: the flattened tree is cut into `num_devices` slices, `all_to_all` gives
+    device j every device's slice j, device j sums them in the fixed tree, and
+    `all_gather` returns the summed slices to all. Every leaf is float32."""
+    flat, unravel = ravel_pytree(tree)
+    size = flat.shape[0]
+    width = -(-size // num_devices)
+    rows = jnp.pad(flat, (0, width * num_devices - size)).reshape(num_devices, width)
+    # Row i of the result is device i's slice j (this device is j).
+    gathered = jax.lax.all_to_all(rows, axis_name, split_axis=0, concat_axis=0, tiled=True)
+    summed = all_gather_invariant(tree_sum(gathered), axis_name, tiled=True)
+    return unravel(summed[:size])

@@ -1,0 +1,67 @@
+"""reduction='exact' end to end: `main.py` on the smoke config gives the same bits on 8
+devices, 2 devices and 1 device with 8 accumulation steps, and a run killed on 8 devices
+and resumed on 2 ends with the same parameters. 2 processes x 4 devices (gloo) do not,
+yet: XLA:CPU in a multi-process client computes the same compiled convolution with other
+bits than in one process (same HLO; measured on a 3x3 conv alone); the test is a strict
+xfail, so it fails loudly once the bits agree."""
+
+import signal
+
+import pytest
+
+from largebatch_jax.metrics import read_metrics
+from tests.runs import result, run, start, wait_for_checkpoint, without_timing
+
+pytestmark = pytest.mark.slow
+
+EXACT = ("--config.reduction=exact",)
+
+
+def devices(count: int) -> dict:
+    return {"extra_env": {"XLA_FLAGS": f"--xla_force_host_platform_device_count={count}"}}
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory, fashion_mnist_dir):
+    workdir = tmp_path_factory.mktemp("exact_8")
+    out = run(workdir, fashion_mnist_dir, *EXACT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return workdir
+
+
+# Blocked (README, "Exact mode"): XLA:CPU in a multi-process client computes the same
+# compiled convolution with other bits than in one process (same HLO; measured on a
+# 3x3 conv alone), so 2 processes x 4 devices differ from 1 x 8 in the last bits. Strict:
+# this fails loudly once the bits agree.
+LAYOUTS = [
+    pytest.param((), devices(2), id="2_devices"),
+    pytest.param(("--config.accum_steps=8",), devices(1), id="1_device_x_8_accum"),
+    pytest.param(
+        (),
+        {"processes": 2, "devices": 4},
+        id="2_processes_x_4_devices",
+        marks=pytest.mark.xfail(strict=True, reason="XLA:CPU multi-process convolution bits"),
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides,kwargs", LAYOUTS)
+def test_every_layout_gives_the_same_bits(overrides, kwargs, eight, tmp_path, fashion_mnist_dir):
+    out = run(tmp_path / "wd", fashion_mnist_dir, *EXACT, *overrides, timeout=600, **kwargs)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert result(tmp_path / "wd")["params_sha256"] == result(eight)["params_sha256"]
+    ours, theirs = read_metrics(tmp_path / "wd"), read_metrics(eight)
+    assert without_timing(ours) == without_timing(theirs)  # every logged value, bitwise
+    assert len(ours) > 10 and any("val_loss" in r for r in ours)
+
+
+def test_killed_on_8_devices_and_resumed_on_2_ends_the_same(eight, tmp_path, fashion_mnist_dir):
+    proc = start(tmp_path / "wd", fashion_mnist_dir, *EXACT)
+    wait_for_checkpoint(proc, tmp_path / "wd", 16)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    out = run(tmp_path / "wd", fashion_mnist_dir, *EXACT, **devices(2))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming at step" in out.stderr
+    assert result(tmp_path / "wd")["params_sha256"] == result(eight)["params_sha256"]
+    assert without_timing(read_metrics(tmp_path / "wd")) == without_timing(read_metrics(eight))
