@@ -18,7 +18,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from largebatch_jax import parallel, trainer
+from largebatch_jax import exact, parallel, trainer
 from largebatch_jax import workdir as wd
 from largebatch_jax.data.loader import UnreadableImageError
 from largebatch_jax.data.sources import DatasetNotPreparedError
@@ -51,6 +51,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config = _CONFIG.value
+    if config.reduction == "exact":
+        exact.fix_cpu_threads()  # before the backend starts
     parallel.initialize_distributed(
         _DISTRIBUTED.value,
         _COORDINATOR.value,
@@ -58,7 +61,6 @@ def main(argv):
         _PROCESS_ID.value,
         heartbeat_timeout_seconds=_HEARTBEAT.value,
     )
-    config = _CONFIG.value
     workdir = wd.resolve(_WORKDIR.value)
     try:
         result = trainer.train_and_evaluate(config, workdir)

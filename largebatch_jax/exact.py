@@ -13,6 +13,8 @@ identical bits for every D, G and process count with the same k.
 
 from __future__ import annotations
 
+import os
+from collections.abc import MutableMapping
 from typing import Any
 
 import jax
@@ -23,6 +25,46 @@ try:  # Varying -> invariant: the gathered sum is typed as the same on every dev
     all_gather_invariant = jax.lax.all_gather_invariant
 except AttributeError:  # jax 0.10 has it, not yet exported
     from jax._src.lax.parallel import all_gather_invariant
+
+
+# The XLA:CPU intra-op pool size exact mode fixes (fix_cpu_threads).
+CPU_THREADS = 8
+
+
+def fix_cpu_threads(environ: MutableMapping[str, str] | None = None) -> None:
+    """Fix XLA:CPU's thread count before the first backend is created (main.py does, for
+    reduction='exact'). XLA:CPU runs convolutions and dots in an Eigen pool of max(NPROC,
+    else the cores; local devices) threads, and Eigen splits the work, so the order of
+    its sums, by that count: the same 3x3 convolution, same compiled HLO, gave three bit
+    patterns on 2 cores for 1-2, 4-5 and 3/6-8 fake devices, so 2 processes x 4 devices
+    differed from 1 x 8. NPROC=CPU_THREADS makes the pool the same for every layout of up
+    to CPU_THREADS local devices and on every machine (`check_cpu_threads`). A value the
+    user set is kept: it must then be the same for every run compared."""
+    env = os.environ if environ is None else environ
+    env.setdefault("NPROC", str(CPU_THREADS))
+
+
+def check_cpu_threads(
+    platform: str, local_devices: int, environ: MutableMapping[str, str] | None = None
+) -> str | None:
+    """Why this process's XLA:CPU pool size differs from other layouts', or None."""
+    env = os.environ if environ is None else environ
+    if platform != "cpu":
+        return None
+    nproc = env.get("NPROC")
+    if nproc is None:
+        return (
+            "config.reduction='exact' on CPU needs a fixed XLA:CPU thread count: set "
+            f"NPROC={CPU_THREADS} before JAX starts (main.py does), or set reduction='fast'."
+        )
+    if not nproc.isdigit() or local_devices > int(nproc):
+        return (
+            f"config.reduction='exact' on CPU: NPROC={nproc} is below the {local_devices} "
+            f"local devices, so XLA:CPU uses {local_devices} threads and other layouts "
+            f"round differently: set NPROC={max(local_devices, CPU_THREADS)} for every run "
+            "compared, or set reduction='fast'."
+        )
+    return None
 
 
 def map_groups(fn, xs: Any, axis_name: str | None = None) -> Any:

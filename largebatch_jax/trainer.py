@@ -25,7 +25,7 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from largebatch_jax import parallel, schedules
+from largebatch_jax import exact, parallel, schedules
 from largebatch_jax import workdir as wd
 from largebatch_jax.builder import Training, build_training
 from largebatch_jax.checkpoint import Checkpointer
@@ -247,6 +247,10 @@ def build(config: Any, workdir: str | Path) -> Run:
     filter_library_logs()
     _check_processes_agree(config)  # first: every process must then take the same path
     validate_config(config, jax.device_count())
+    if config.reduction == "exact":
+        error = exact.check_cpu_threads(jax.default_backend(), jax.local_device_count())
+        if error:
+            raise ConfigError(error)
     engine = parallel.DataParallel(parallel.create_mesh(), config.parallelism)
     work = wd.resolve(workdir)
     wd.check_writable(work)

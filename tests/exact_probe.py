@@ -1,7 +1,8 @@
 """Run by test_multihost.py, alone (1 process x 8 devices) or under the launcher: the
 exact cross-device sum (exact.device_sum: all_to_all + tree + all_gather) of values
 whose sum depends on the order, and a 3x3 convolution, on the same global data; process
-0 writes their sha256 digests to OUT."""
+0 writes their sha256 digests to OUT. Like main.py in exact mode, it fixes XLA:CPU's
+thread count first (exact.fix_cpu_threads)."""
 
 import argparse
 import hashlib
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--num_processes", type=int)
     parser.add_argument("--process_id", type=int)
     args = parser.parse_args()
+    exact.fix_cpu_threads()
     parallel.initialize_distributed(
         "auto", args.coordinator_address, args.num_processes, args.process_id
     )

@@ -1,9 +1,8 @@
 """reduction='exact' end to end: `main.py` on the smoke config gives the same bits on 8
 devices, 2 devices and 1 device with 8 accumulation steps, and a run killed on 8 devices
-and resumed on 2 ends with the same parameters. 2 processes x 4 devices (gloo) do not,
-yet: XLA:CPU in a multi-process client computes the same compiled convolution with other
-bits than in one process (same HLO; measured on a 3x3 conv alone); the test is a strict
-xfail, so it fails loudly once the bits agree."""
+and resumed on 2 ends with the same parameters, and so do 2 processes x 4 devices
+(gloo). main.py fixes XLA:CPU's thread count for exact mode (exact.fix_cpu_threads),
+without which a convolution's bits depend on the local device count."""
 
 import signal
 
@@ -29,19 +28,10 @@ def eight(tmp_path_factory, fashion_mnist_dir):
     return workdir
 
 
-# Blocked (README, "Exact mode"): XLA:CPU in a multi-process client computes the same
-# compiled convolution with other bits than in one process (same HLO; measured on a
-# 3x3 conv alone), so 2 processes x 4 devices differ from 1 x 8 in the last bits. Strict:
-# this fails loudly once the bits agree.
 LAYOUTS = [
     pytest.param((), devices(2), id="2_devices"),
     pytest.param(("--config.accum_steps=8",), devices(1), id="1_device_x_8_accum"),
-    pytest.param(
-        (),
-        {"processes": 2, "devices": 4},
-        id="2_processes_x_4_devices",
-        marks=pytest.mark.xfail(strict=True, reason="XLA:CPU multi-process convolution bits"),
-    ),
+    pytest.param((), {"processes": 2, "devices": 4}, id="2_processes_x_4_devices"),
 ]
 
 
@@ -65,3 +55,11 @@ def test_killed_on_8_devices_and_resumed_on_2_ends_the_same(eight, tmp_path, fas
     assert "resuming at step" in out.stderr
     assert result(tmp_path / "wd")["params_sha256"] == result(eight)["params_sha256"]
     assert without_timing(read_metrics(tmp_path / "wd")) == without_timing(read_metrics(eight))
+
+
+def test_a_thread_count_below_the_local_devices_is_refused(tmp_path, fashion_mnist_dir):
+    """NPROC below the local device count: XLA:CPU would run max(NPROC, devices) threads
+    and round unlike other layouts, so exact mode stops with one line, exit 2."""
+    out = run(tmp_path / "wd", fashion_mnist_dir, *EXACT, extra_env={"NPROC": "4"})
+    assert out.returncode == 2
+    assert "NPROC=4 is below the 8 local devices" in out.stderr.strip().splitlines()[-1]

@@ -171,14 +171,11 @@ def test_exact_device_sum_is_bit_identical_across_processes(exact_probe):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True, reason="XLA:CPU computes a convolution with other bits in a multi-process client"
-)
 def test_a_convolution_has_the_same_bits_in_two_processes(exact_probe):
-    """What blocks exact mode across processes on CPU (README, "Exact mode"): the same
-    compiled 3x3 convolution, on the same data, gives other bits with 2 processes x 4
-    devices than with 1 x 8 (a plain jit of it in either process gives the 1 x 8 bits).
-    Strict: this fails once XLA:CPU agrees, and the end-to-end xfail can go."""
+    """With XLA:CPU's thread count fixed (exact.fix_cpu_threads), the same compiled 3x3
+    convolution on the same data gives the same bits with 2 processes x 4 devices as with
+    1 x 8 (without it the pools have 4 and 8 threads, and Eigen splits the sums by the
+    thread count: other bits)."""
     assert exact_probe["two"]["conv"] == exact_probe["one"]["conv"]
 
 

@@ -364,6 +364,21 @@ def test_exact_mode_needs_a_power_of_two_of_groups_per_device():
         step(engine.replicate(initial_state()), engine.shard_batch(batch))
 
 
+def test_exact_mode_fixes_the_cpu_thread_count_and_refuses_one_below_the_devices():
+    """XLA:CPU runs max(NPROC, local devices) threads; exact mode sets NPROC unless the
+    user did, and refuses a value that the local devices would override."""
+    environ = {}
+    exact.fix_cpu_threads(environ)
+    assert environ == {"NPROC": str(exact.CPU_THREADS)}
+    kept = {"NPROC": "16"}
+    exact.fix_cpu_threads(kept)
+    assert kept == {"NPROC": "16"}
+    assert exact.check_cpu_threads("cpu", 8, {"NPROC": "8"}) is None
+    assert exact.check_cpu_threads("gpu", 8, {}) is None
+    assert "set NPROC=8 before JAX starts" in exact.check_cpu_threads("cpu", 8, {})
+    assert "NPROC=16 for every run" in exact.check_cpu_threads("cpu", 16, {"NPROC": "8"})
+
+
 def exact_eval(devices: int) -> dict:
     engine = parallel.DataParallel(parallel.create_mesh(jax.devices()[:devices]), "shard_map")
     state, _ = run(8, 1, reduction="exact")  # trained BN statistics
