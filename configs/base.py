@@ -44,6 +44,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.base_lr = 0.1
     c.base_batch_size = 256
     c.lr_scaling = "linear"  # linear | sqrt | none
+    # The peak rate is rule 1's times this (1 = the paper); > 1 only to test how large a
+    # rate warmup makes usable (experiments/RESULTS.md).
+    c.lr_multiplier = 1.0
     c.warmup = "gradual"  # gradual | constant | none; only when batch_size > base_batch_size
     c.warmup_epochs = 5.0
     c.lr_decay = "step"  # step | cosine

@@ -42,6 +42,11 @@ if want remark2; then  # Remark 2: Caffe2-form update with and without momentum 
     --set=batch_size=$KN --extra=update_form=optax --extra=update_form=optax,seed=1 --curves \
     --title="Caffe2-form update at kn=$KN, gradual warmup (cf. Remark 2)"
 fi
+if want warmup_range; then  # what warmup is for: the range of usable peak rates at KN
+  $SWEEP --name=warmup_range $SEEDS --grid=lr_multiplier=1,2,4,8,16 --grid=warmup=gradual,none \
+    --set=batch_size=$KN --plot=lr_multiplier \
+    --title="kn=$KN: peak rate m x the linear rule's, gradual warmup vs none"
+fi
 if want invariance; then  # the same kn=1024 run on 8 devices and on 1 device x 8 accumulation
   $SWEEP --name=invariance --set=batch_size=1024 --grid=devices=8 \
     --extra=devices=1,accum_steps=8 --curves --title="kn=1024: 8 devices vs 1 device x 8 accum"

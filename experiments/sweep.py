@@ -43,11 +43,14 @@ if str(ROOT) not in sys.path:
 from configs import overrides  # noqa: E402
 from largebatch_jax import schedules  # noqa: E402
 from largebatch_jax.metrics import read_metrics  # noqa: E402
+from largebatch_jax.validate import ConfigError, validate_config, validate_fields  # noqa: E402
 
 METRIC = "val_error_top1_median_last_epochs"
 # `devices` is not a config field: the number of (fake CPU) devices a run uses, which
 # may go in --grid / --set / --extra like a field (the invariance experiment).
 DEFAULT_DEVICES = 8
+# Where a spike is looked for: warmup's job is the first epochs (RESULTS.md, warmup_range).
+SPIKE_EPOCHS = 2.0
 
 
 class SweepError(ValueError):
@@ -121,6 +124,34 @@ def expand(grid: list[tuple[str, list[Any]]], fixed: dict[str, Any]) -> list[dic
     ]
 
 
+def check_run(defaults: Any, overrides: dict[str, Any], devices: int | None, name: str) -> None:
+    """A run's config through main.py's own validation, before any run of the sweep trains:
+    a bad value stops the sweep with main's one line. Without fake devices (`devices`
+    None) the device count is unknown here, so only what does not depend on it."""
+    config = defaults.copy_and_resolve_references()
+    for field, value in overrides.items():
+        if field != "devices":
+            config[field] = value
+    devices = overrides.get("devices", devices)
+    try:
+        validate_config(config, devices) if devices else validate_fields(config)
+    except ConfigError as e:
+        raise SweepError(f"run {name}: {e}") from None
+
+
+def loss_spike(records: list[dict], epochs: float = SPIKE_EPOCHS) -> float | None:
+    """The largest rise of the logged training loss above its lowest value so far, over the
+    log points of the first `epochs`: how far training was thrown back (a stable run rises
+    only by minibatch noise; one that spikes, by more). None without log points."""
+    losses = [r["train_loss"] for r in records if "train_loss" in r and r["epoch"] <= epochs]
+    if not losses:
+        return None
+    rise, low = 0.0, losses[0]
+    for loss in losses[1:]:
+        rise, low = max(rise, loss - low), min(low, loss)
+    return float(rise)
+
+
 def check_devices(workdir: Path, devices: int | None, record_it: bool = True) -> None:
     """A workdir trains on one device count: record it, refuse another."""
     record = workdir / "devices.json"
@@ -171,6 +202,8 @@ def collect(run: dict) -> dict:
     """One table row from a run's workdir."""
     workdir = Path(run["workdir"])
     row = {**run["values"], "run": workdir.name, "status": "pending"}
+    if (workdir / "metrics.jsonl").exists():  # a diverged run's too: up to its last log
+        row["loss_spike"] = loss_spike(read_metrics(workdir))
     if (workdir / "result.json").exists():
         result = json.loads((workdir / "result.json").read_text())
         epochs = [r for r in read_metrics(workdir) if "epoch_train_error" in r]
@@ -200,6 +233,7 @@ def group_rows(rows: list[dict], fields: list[str]) -> list[dict]:
         done = [r for r in members if r["status"] == "done"]
         errors = np.array([r["error"] for r in done], dtype=float)
         train = np.array([r["train_error"] for r in done if r["train_error"] is not None])
+        spikes = [r["loss_spike"] for r in members if r.get("loss_spike") is not None]
         out.append(
             {
                 **dict(zip(keys, key, strict=True)),
@@ -210,6 +244,7 @@ def group_rows(rows: list[dict], fields: list[str]) -> list[dict]:
                 "std": float(errors.std(ddof=1)) if len(errors) > 1 else None,
                 "train_mean": float(train.mean()) if len(train) else None,
                 "peak_lr": done[0]["peak_lr"] if done else None,
+                "spike": max(spikes) if spikes else None,  # the worst seed's
                 "seeds": [r.get("seed") for r in done],
             }
         )
@@ -241,6 +276,7 @@ def write_tables(name: str, out: Path, rows: list[dict], fields: list[str], comm
                 "train_error",
                 "steps",
                 "peak_lr",
+                "loss_spike",
                 "seconds",
             ]
         )
@@ -261,14 +297,24 @@ def write_tables(name: str, out: Path, rows: list[dict], fields: list[str], comm
         f"Written {datetime.date.today().isoformat()}; {sum(r['status'] == 'done' for r in rows)}"
         f" of {len(rows)} runs done; {seconds / 60:.0f} min of training in total. Error = the "
         "paper's metric (median top-1 validation error of the evaluations in the last 5/90 "
-        "of training), in %, mean +- std over seeds.",
+        "of training), in %, mean +- std over seeds. Loss spike = the largest rise of the "
+        f"logged training loss above its lowest value so far in the first {SPIKE_EPOCHS:g} "
+        "epochs, the worst seed's (diverged runs: up to their last log).",
         "",
         "| "
         + " | ".join(
-            [*keys, "peak lr", "top-1 error (%)", "seeds", "final train error (%)", "not done"]
+            [
+                *keys,
+                "peak lr",
+                "top-1 error (%)",
+                "seeds",
+                "final train error (%)",
+                "loss spike",
+                "not done",
+            ]
         )
         + " |",
-        "|" + "---|" * (len(keys) + 5),
+        "|" + "---|" * (len(keys) + 6),
     ]
     for g in grouped:
         spread = f" +- {pct(g['std'])}" if g["std"] is not None else ""
@@ -281,6 +327,7 @@ def write_tables(name: str, out: Path, rows: list[dict], fields: list[str], comm
                     f"{pct(g['mean'])}{spread}",
                     str(g["done"]),
                     pct(g["train_mean"]),
+                    "-" if g["spike"] is None else f"{g['spike']:.2f}",
                     g["other"] or "",
                 ]
             )
@@ -317,17 +364,34 @@ def plot(
                 if r["status"] == "done":
                     points.setdefault(r[x], []).append(100 * r["error"])
             xs = sorted(points)
-            if not xs:
-                continue
-            means = [np.mean(points[v]) for v in xs]
-            stds = [np.std(points[v], ddof=1) if len(points[v]) > 1 else 0 for v in xs]
-            ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=_label(keys, key))
-        if x == "batch_size":
+            lost = sorted({r[x] for r in members if r["status"] == "diverged"})
+            color = None
+            if xs:
+                means = [np.mean(points[v]) for v in xs]
+                stds = [np.std(points[v], ddof=1) if len(points[v]) > 1 else 0 for v in xs]
+                line = ax.errorbar(
+                    xs, means, yerr=stds, marker="o", capsize=3, label=_label(keys, key)
+                )
+                color = line[0].get_color()
+            if lost:  # diverged at these x (some seed): crosses on the axis' top edge
+                ax.plot(
+                    lost,
+                    [0.97] * len(lost),
+                    "x",
+                    ms=9,
+                    color=color,
+                    label=None if xs else f"{_label(keys, key)} (diverged)",
+                    transform=ax.get_xaxis_transform(),
+                    clip_on=False,
+                )
+        if x in ("batch_size", "lr_multiplier"):
             ax.set_xscale("log", base=2)
             ticks = sorted({r[x] for r in rows})
-            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
         ax.set_xlabel(x)
         ax.set_ylabel("top-1 validation error (%), mean +- std over seeds")
+        if any(r["status"] == "diverged" for r in rows):
+            ax.set_title("x: diverged (some seed)", fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if curves:
@@ -421,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     began = time.time()
     try:
+        for run in runs:
+            check_run(defaults, run["overrides"], devices, Path(run["workdir"]).name)
         for run in runs:
             check_devices(
                 Path(run["workdir"]),

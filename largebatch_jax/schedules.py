@@ -47,6 +47,22 @@ def scaled_learning_rate(
     return base_lr
 
 
+def peak_learning_rate(
+    base_lr: float,
+    base_batch_size: int,
+    batch_size: int,
+    rule: str = "linear",
+    multiplier: float = 1.0,
+) -> float:
+    """The rate the schedule reaches after warmup: rule 1's (`scaled_learning_rate`) times
+    `multiplier`. 1 is the paper; m > 1 is the small-scale test of what warmup is for
+    (experiments/RESULTS.md, "Warmup as the range of usable rates"): with warmup, training
+    should tolerate a larger peak rate than without. Warmup still starts from `base_lr`."""
+    if multiplier <= 0:
+        raise ValueError(f"lr_multiplier={multiplier} must be > 0.")
+    return scaled_learning_rate(base_lr, base_batch_size, batch_size, rule) * multiplier
+
+
 def epochs_to_steps(epochs: float, steps_per_epoch: int) -> int:
     """An epoch boundary as an iteration count (rounded: fractional epochs are allowed)."""
     return round(float(epochs) * steps_per_epoch)
@@ -110,14 +126,18 @@ def warmup_applies(batch_size: int, base_batch_size: int) -> bool:
 def create_learning_rate_schedule(config: Any, steps_per_epoch: int) -> optax.Schedule:
     """The paper's schedule from config fields: scaling (rule 1), warmup (2), decay (3).
 
-    Reads `base_lr`, `base_batch_size`, `batch_size`, `lr_scaling`, `warmup`,
+    Reads `base_lr`, `base_batch_size`, `batch_size`, `lr_scaling`, `lr_multiplier`, `warmup`,
     `warmup_epochs`, `lr_decay`, `decay_epochs`, `decay_factor`, `num_epochs`.
     Warmup applies only where `warmup_applies` says so (rule 2).
     """
     if steps_per_epoch <= 0:
         raise ValueError(f"steps_per_epoch={steps_per_epoch} must be > 0.")
-    peak = scaled_learning_rate(
-        config.base_lr, config.base_batch_size, config.batch_size, config.lr_scaling
+    peak = peak_learning_rate(
+        config.base_lr,
+        config.base_batch_size,
+        config.batch_size,
+        config.lr_scaling,
+        config.lr_multiplier,
     )
     _check_choice("warmup", config.warmup, WARMUP_KINDS)
     if config.warmup_epochs < 0:

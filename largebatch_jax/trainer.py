@@ -291,7 +291,9 @@ def describe(run: Run) -> str:
     micro = parallel.micro_batch_size(
         c.batch_size, engine.num_devices, c.accum_steps, c.bn_group_size
     )
-    peak = schedules.scaled_learning_rate(c.base_lr, c.base_batch_size, c.batch_size, c.lr_scaling)
+    peak = schedules.peak_learning_rate(
+        c.base_lr, c.base_batch_size, c.batch_size, c.lr_scaling, c.lr_multiplier
+    )
     start = run.host.step
     return (
         f"devices={engine.num_devices} (local {engine.num_local_devices}) "
@@ -604,8 +606,8 @@ def finish(run: Run, clock: TrainClock) -> dict:
         "params_sha256": params_digest(run.state.params),
         "batch_size": c.batch_size,
         "bn_group_size": c.bn_group_size,
-        "peak_learning_rate": schedules.scaled_learning_rate(
-            c.base_lr, c.base_batch_size, c.batch_size, c.lr_scaling
+        "peak_learning_rate": schedules.peak_learning_rate(
+            c.base_lr, c.base_batch_size, c.batch_size, c.lr_scaling, c.lr_multiplier
         ),
         "config": c.to_dict(),
     }

@@ -57,6 +57,7 @@ RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
         lambda v: v in schedules.LR_SCALING_RULES,
         f"one of {schedules.LR_SCALING_RULES}",
     ),
+    "lr_multiplier": ((float, int), _positive, "> 0"),
     "warmup": ((str,), lambda v: v in schedules.WARMUP_KINDS, f"one of {schedules.WARMUP_KINDS}"),
     "warmup_epochs": ((float, int), _non_negative, ">= 0"),
     "lr_decay": ((str,), lambda v: v in schedules.DECAY_KINDS, f"one of {schedules.DECAY_KINDS}"),
@@ -96,6 +97,26 @@ RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
 def validate_config(config: Any, num_devices: int) -> int:
     """Check every field's type and range and the minibatch geometry; returns the
     per-device micro-batch. Raises ConfigError with one line."""
+    validate_fields(config)
+    try:
+        micro = parallel.micro_batch_size(
+            config.batch_size, num_devices, config.accum_steps, config.bn_group_size
+        )
+    except ValueError as e:
+        raise ConfigError(f"config.{e}") from None
+    if config.eval_batch_size % num_devices:
+        raise ConfigError(
+            f"config.eval_batch_size={config.eval_batch_size} is not divisible by the "
+            f"{num_devices} devices."
+        )
+    if config.reduction == "exact":
+        _check_exact(config, num_devices)
+    return micro
+
+
+def validate_fields(config: Any) -> None:
+    """What does not depend on the devices: every field's type and range, and the
+    schedule's boundaries (a sweep checks its runs with this before training any)."""
     for field, (types, check, meaning) in RULES.items():
         if field not in config:
             raise ConfigError(f"config.{field} is missing: start the config from configs/base.py.")
@@ -118,20 +139,6 @@ def validate_config(config: Any, num_devices: int) -> int:
             f"config.warmup_epochs={config.warmup_epochs} runs past the first decay at epoch "
             f"{min(config.decay_epochs)}: shorten the warmup."
         )
-    try:
-        micro = parallel.micro_batch_size(
-            config.batch_size, num_devices, config.accum_steps, config.bn_group_size
-        )
-    except ValueError as e:
-        raise ConfigError(f"config.{e}") from None
-    if config.eval_batch_size % num_devices:
-        raise ConfigError(
-            f"config.eval_batch_size={config.eval_batch_size} is not divisible by the "
-            f"{num_devices} devices."
-        )
-    if config.reduction == "exact":
-        _check_exact(config, num_devices)
-    return micro
 
 
 def _check_exact(config: Any, num_devices: int) -> None:

@@ -257,8 +257,9 @@ def check_resume(recorded: dict, config: Any, step: int, steps_per_epoch: int) -
             f"step {step} (trained with num_epochs={before}): rerun with "
             f"--config.num_epochs={before}, or use a new workdir."
         )
+    # A field newer than the record (e.g. lr_multiplier) takes the current value.
     old = schedules.create_learning_rate_schedule(
-        ml_collections.ConfigDict(recorded), steps_per_epoch
+        ml_collections.ConfigDict({**dict(current), **recorded}), steps_per_epoch
     )
     new = schedules.create_learning_rate_schedule(config, steps_per_epoch)
     steps = jnp.arange(step)

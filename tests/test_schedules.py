@@ -18,6 +18,7 @@ def config(batch_size, **overrides):
             base_batch_size=256,
             batch_size=batch_size,
             lr_scaling="linear",
+            lr_multiplier=1.0,
             warmup="gradual",
             warmup_epochs=5.0,
             lr_decay="step",
@@ -113,6 +114,19 @@ def test_lr_scaling_rules(rule, peak):
     assert schedules.scaled_learning_rate(0.1, 256, 8192, rule) == pytest.approx(peak)
     got = values(config(8192, lr_scaling=rule), 100, [0, 250, 500, 2999])
     np.testing.assert_allclose(got, [0.1, 0.1 + (peak - 0.1) / 2, peak, peak], rtol=2e-6)
+
+
+@pytest.mark.parametrize("warmup", ["gradual", "none"])
+def test_the_rate_multiplier_scales_the_peak_and_keeps_the_warmup_start(warmup):
+    """lr_multiplier m: peak m x rule 1's rate; gradual warmup still starts at base_lr and
+    reaches the peak at the same iteration; the decays divide the new peak."""
+    assert schedules.peak_learning_rate(0.1, 256, 8192, "linear", 4.0) == pytest.approx(12.8)
+    got = values(config(8192, lr_multiplier=4.0, warmup=warmup), 100, [0, 250, 500, 3000])
+    start = 0.1 if warmup == "gradual" else 12.8
+    mid = 0.1 + (12.8 - 0.1) / 2 if warmup == "gradual" else 12.8
+    np.testing.assert_allclose(got, [start, mid, 12.8, 1.28], rtol=2e-6)
+    with pytest.raises(ValueError, match="lr_multiplier=0"):
+        schedules.peak_learning_rate(0.1, 256, 8192, "linear", 0)
 
 
 def test_fractional_epochs_are_iterations():

@@ -35,6 +35,7 @@ SCHEDULE_CONFIG = ml_collections.ConfigDict(
         base_batch_size=16,
         batch_size=KN,
         lr_scaling="linear",
+        lr_multiplier=1.0,
         warmup="gradual",
         warmup_epochs=0.5,
         lr_decay="step",

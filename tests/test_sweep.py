@@ -163,3 +163,70 @@ def test_compare_runs_reports_the_gap_epoch_by_epoch(tmp_path):
     summary = compare_runs.compare(str(tmp_path / "a"), str(tmp_path / "b"))
     assert summary["train_loss"][0] == 8
     assert summary["val_error_top1"][:2] == (1, pytest.approx(0.1))
+
+
+def test_the_warmup_grids_go_through_the_config_validation(tmp_path, capsys):
+    """The grids of experiments/small_scale.sh's warmup_range and warmup_length: the rate
+    multiplier m and the warmup length are config fields like any other, m = 1 and the
+    default warmup share the runs that exist, and a bad value stops the sweep with
+    main.py's own one line before any run trains."""
+    base = ["--name=x", "--config=configs/fashion_sweep.py", "--devices=2", "--dry_run"]
+    code, stdout, err = sweep_here(
+        capsys,
+        tmp_path,
+        *base,
+        "--grid=lr_multiplier=1,2,16",
+        "--grid=warmup=gradual,none",
+        "--set=batch_size=1024",
+    )
+    assert code == 0, err[-1000:]
+    names = [line.split("] ")[1].split(":")[0] for line in stdout.splitlines()]
+    assert names == [
+        "batch_size=1024",
+        "batch_size=1024-warmup=none",
+        "batch_size=1024-lr_multiplier=2.0",
+        "batch_size=1024-lr_multiplier=2.0-warmup=none",
+        "batch_size=1024-lr_multiplier=16.0",
+        "batch_size=1024-lr_multiplier=16.0-warmup=none",
+    ]
+    # 1/90, 5/90 (the config's own) and 15/90 of the 10 epochs.
+    code, stdout, err = sweep_here(
+        capsys,
+        tmp_path,
+        *base,
+        f"--grid=warmup_epochs={10 / 90!r},{10 * 5 / 90!r},{150 / 90!r}",
+        "--set=batch_size=1024",
+        "--set=lr_multiplier=8",
+    )
+    assert code == 0, err[-1000:]
+    names = [line.split("] ")[1].split(":")[0] for line in stdout.splitlines()]
+    assert names == [
+        "batch_size=1024-lr_multiplier=8.0-warmup_epochs=0.1111111111111111",
+        "batch_size=1024-lr_multiplier=8.0",
+        "batch_size=1024-lr_multiplier=8.0-warmup_epochs=1.6666666666666667",
+    ]
+    for bad, words in [
+        (
+            "--grid=lr_multiplier=2,0",
+            "run batch_size=1024-lr_multiplier=0.0: config.lr_multiplier=0.0 must be > 0.",
+        ),
+        ("--grid=warmup_epochs=0.5,-1", "config.warmup_epochs=-1.0 must be >= 0."),
+        ("--grid=warmup_epochs=4", "config.warmup_epochs=4.0 runs past the first decay at epoch"),
+    ]:
+        code, _, err = sweep_here(capsys, tmp_path, *base[:-1], bad, "--set=batch_size=1024")
+        assert code == 2, err[-1000:]
+        assert words in err and len(err.strip().splitlines()) == 1, err[-1000:]
+        assert not (tmp_path / "runs").exists()  # nothing trained, no workdir made
+
+
+def test_the_loss_spike_is_the_largest_rise_above_the_lowest_loss_so_far():
+    sys.path.insert(0, str(ROOT))
+    from experiments import sweep as sweep_lib
+
+    logged = [(0.5, 2.0), (1.0, 1.2), (1.5, 1.9), (2.0, 1.0), (2.5, 1.8), (3.0, 9.0)]
+    records = [{"epoch": e, "train_loss": loss} for e, loss in logged]
+    records.insert(2, {"epoch": 1.0, "val_error_top1": 0.5})  # evaluations do not count
+    assert sweep_lib.loss_spike(records) == pytest.approx(0.7)  # 1.2 -> 1.9, by epoch 2
+    assert sweep_lib.loss_spike(records, epochs=3.0) == pytest.approx(8.0)
+    assert sweep_lib.loss_spike([{"epoch": 0.5, "train_loss": 2.0}]) == 0.0
+    assert sweep_lib.loss_spike([]) is None
