@@ -47,6 +47,23 @@ if want warmup_range; then  # what warmup is for: the range of usable peak rates
     --set=batch_size=$KN --plot=lr_multiplier \
     --title="kn=$KN: peak rate m x the linear rule's, gradual warmup vs none"
 fi
+if want warmup_length; then  # warmup of 0, 1/90, 5/90, 15/90 of training at the largest m
+  # M: the largest m of warmup_range at which gradual warmup still trains (RESULTS.md).
+  M=${M:?set M= to the largest lr_multiplier of warmup_range that gradual warmup trains}
+  $SWEEP --name=warmup_length $SEEDS --grid=warmup_epochs=0.1111111111111111,0.5555555555555556,1.6666666666666667 \
+    --set=batch_size=$KN --set=lr_multiplier=$M --extra=warmup=none --extra=warmup=none,seed=1 \
+    --curves --title="kn=$KN, m=$M: gradual warmup over 0, 1/90, 5/90, 15/90 of training"
+fi
+if want zero_gamma_deep; then  # Table 2b again where zero-gamma has a deep stack to ease
+  $SWEEP --name=zero_gamma_deep $SEEDS --grid=zero_init_residual=True,False \
+    --grid=batch_size=256,$KN --set=model=resnet20 --curves \
+    --title="ResNet-20 (width 8): zero-gamma vs gamma=1 (cf. Table 2b)"
+fi
+if want invariance_exact; then  # reduction='exact': the same bits on 8, 2 and 1 x 8 devices
+  $SWEEP --name=invariance_exact --set=batch_size=1024 --set=reduction=exact \
+    --set=eval_batch_size=1024 --grid=devices=8,2 --extra=devices=1,accum_steps=8 --curves \
+    --title="kn=1024, reduction=exact: 8 devices, 2 devices, 1 device x 8 accum"
+fi
 if want invariance; then  # the same kn=1024 run on 8 devices and on 1 device x 8 accumulation
   $SWEEP --name=invariance --set=batch_size=1024 --grid=devices=8 \
     --extra=devices=1,accum_steps=8 --curves --title="kn=1024: 8 devices vs 1 device x 8 accum"
