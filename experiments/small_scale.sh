@@ -59,10 +59,19 @@ if want zero_gamma_deep; then  # Table 2b again where zero-gamma has a deep stac
     --grid=batch_size=256,$KN --set=model=resnet20 --curves \
     --title="ResNet-20 (width 8): zero-gamma vs gamma=1 (cf. Table 2b)"
 fi
+if want zero_gamma_high_rate; then  # zero-gamma where the first updates are hard: m=8 at KN
+  $SWEEP --name=zero_gamma_high_rate $SEEDS --grid=zero_init_residual=True,False \
+    --set=batch_size=$KN --set=lr_multiplier=8 --set=model=resnet20 --curves \
+    --title="ResNet-20, kn=$KN, m=8 (peak 3.2), gradual warmup: zero-gamma vs gamma=1"
+fi
 if want invariance_exact; then  # reduction='exact': the same bits on 8, 2 and 1 x 8 devices
   $SWEEP --name=invariance_exact --set=batch_size=1024 --set=reduction=exact \
     --set=eval_batch_size=1024 --grid=devices=8,2 --extra=devices=1,accum_steps=8 --curves \
     --title="kn=1024, reduction=exact: 8 devices, 2 devices, 1 device x 8 accum"
+  R=experiments/runs/fashion_sweep/batch_size=1024-eval_batch_size=1024-reduction=exact
+  for other in "$R" "${R%/*}/accum_steps=8-batch_size=1024-eval_batch_size=1024-reduction=exact-devices=1"; do
+    $PY experiments/compare_runs.py "$R-devices=8" "$other"
+  done | tee experiments/results/invariance_exact_compare.txt
 fi
 if want invariance; then  # the same kn=1024 run on 8 devices and on 1 device x 8 accumulation
   $SWEEP --name=invariance --set=batch_size=1024 --grid=devices=8 \
