@@ -322,7 +322,7 @@ def write_tables(name: str, out: Path, rows: list[dict], fields: list[str], comm
             "| "
             + " | ".join(
                 [
-                    *[str(g[k]) for k in keys],
+                    *[shown(g[k]) for k in keys],
                     "-" if g["peak_lr"] is None else f"{g['peak_lr']:.4g}",
                     f"{pct(g['mean'])}{spread}",
                     str(g["done"]),
@@ -431,8 +431,23 @@ def _by(rows: list[dict], keys: list[str]) -> dict[tuple, list[dict]]:
     return groups
 
 
+def shown(value) -> str:
+    """A field's value for a reader (tables, legends): 5/90 as 0.5556, not 17 digits.
+
+    Takes a value or its flag spelling (grouped rows hold the spelling); the CSV keeps
+    the exact value.
+    """
+    text = str(value)
+    if isinstance(value, float) or (isinstance(value, str) and "." in value):
+        try:
+            return f"{float(value):.4g}"
+        except ValueError:
+            pass
+    return text
+
+
 def _label(keys: list[str], values: tuple) -> str:
-    return ", ".join(f"{k}={flag_value(v)}" for k, v in zip(keys, values, strict=True)) or "runs"
+    return ", ".join(f"{k}={shown(v)}" for k, v in zip(keys, values, strict=True)) or "runs"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -230,3 +230,23 @@ def test_the_loss_spike_is_the_largest_rise_above_the_lowest_loss_so_far():
     assert sweep_lib.loss_spike(records, epochs=3.0) == pytest.approx(8.0)
     assert sweep_lib.loss_spike([{"epoch": 0.5, "train_loss": 2.0}]) == 0.0
     assert sweep_lib.loss_spike([]) is None
+
+
+def test_tables_show_fractions_of_training_short_and_the_csv_keeps_them_exact(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from experiments import sweep as sweep_lib
+
+    row = {
+        "warmup_epochs": 5 / 90,
+        "warmup": "gradual",
+        "seed": 0,
+        "status": "done",
+        "error": 0.1323,
+        "train_error": 0.1196,
+        "peak_lr": 3.2,
+    }
+    sweep_lib.write_tables("t", tmp_path, [row], ["warmup_epochs", "warmup", "seed"], "cmd")
+    assert "| 0.05556 | gradual | 3.2 | 13.23 |" in (tmp_path / "t.md").read_text()
+    with (tmp_path / "t.csv").open() as f:
+        assert float(next(csv.DictReader(f))["warmup_epochs"]) == 5 / 90
+    assert sweep_lib.shown("none") == "none" and sweep_lib.shown(1024) == "1024"
