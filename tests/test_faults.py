@@ -156,6 +156,45 @@ def test_resume_rules_for_num_epochs(tmp_path):
     wd.check_resume(json.loads(json.dumps(smoke.get_config().to_dict())), changed, 16, 16)
 
 
+# The fields of configs/base.py when workdirs began to record their config (c26c9e8).
+RECORDED_SINCE_THE_START = """
+accum_loop accum_steps base_batch_size base_lr batch_size bn_epsilon bn_group_size
+bn_momentum bn_sync channels checkpoint_every_steps color_augment conv_impl data_dir
+dataset decay_batchnorm decay_bias decay_epochs decay_factor dtype eval_batch_size
+eval_every_epochs eval_subset image_size keep_checkpoints lars_trust_coefficient
+log_every_steps lr_decay lr_scaling model momentum momentum_correction nesterov
+num_classes num_epochs optimizer parallelism prefetch_batches result_last_epochs seed
+skip_nonfinite train_subset update_form warmup warmup_epochs weight_decay width workers
+zero_init_residual""".split()  # noqa: SIM905
+
+
+def test_every_field_added_since_records_began_has_its_old_value_or_may_change():
+    from configs import base
+
+    added = set(base.get_config()) - set(RECORDED_SINCE_THE_START)
+    unclassified = added - set(wd.BEFORE_FIELD) - set(wd.MAY_CHANGE)
+    assert not unclassified, f"add {sorted(unclassified)} to workdir.BEFORE_FIELD or MAY_CHANGE"
+    for field, before in wd.BEFORE_FIELD.items():
+        assert field in added and base.get_config()[field] == before  # the default: old math
+
+
+def test_a_record_older_than_a_field_resumes_only_at_the_fields_old_value():
+    old = json.loads(json.dumps(smoke.get_config().to_dict()))
+    for field in wd.BEFORE_FIELD:
+        del old[field]
+    wd.check_resume(old, smoke.get_config(), 16, 16)
+    higher = smoke.get_config()
+    higher.lr_multiplier, higher.reduction = 8.0, "exact"
+    with pytest.raises(ConfigError) as e:
+        wd.check_resume(old, higher, 16, 16)
+    assert str(e.value).count("\n") == 0
+    for words in ("lr_multiplier=1.0 (this config: 8.0)", "--config.reduction=fast"):
+        assert words in str(e.value)
+    del old["momentum"]  # a math field the record should have: nothing to compare it with
+    with pytest.raises(ConfigError, match="has no field momentum, so what its run was"):
+        wd.check_resume(old, smoke.get_config(), 16, 16)
+
+
 def make_folder(root: Path, bad: bool) -> None:
     """Two classes of real JPEGs; with `bad`, the files a user's folder really holds."""
     import io
