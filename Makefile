@@ -12,7 +12,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,tpu]'
+	$(BIN)/pip install --quiet -e '.[dev,tpu,gpu-compiler]'
 	touch $@
 
 data:
@@ -28,7 +28,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 test: lint data
-	REQUIRE_TPU_COMPILER=1 $(BIN)/python -m pytest -q
+	REQUIRE_TPU_COMPILER=1 REQUIRE_GPU_COMPILER=1 $(BIN)/python -m pytest -q
 
 # Wheels the GPU check installs offline where the GPU host lacks them (scripts/gpu_check.sh).
 wheels:

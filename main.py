@@ -14,15 +14,21 @@ import re
 import sys
 from pathlib import Path
 
-import jax
-from absl import app, flags, logging
-from ml_collections import config_flags
+from largebatch_jax import host
 
-from largebatch_jax import exact, parallel, trainer
-from largebatch_jax import workdir as wd
-from largebatch_jax.data.loader import UnreadableImageError
-from largebatch_jax.data.sources import DatasetNotPreparedError
-from largebatch_jax.validate import ConfigError
+# Before JAX loads: on a host without GPU or TPU, JAX starts no accelerator plugin, and
+# what the installed plugins print while loading is filtered out (largebatch_jax.host).
+host.choose_platforms()
+with host.plugin_noise_filtered():
+    import jax
+    from absl import app, flags, logging
+    from ml_collections import config_flags
+
+    from largebatch_jax import exact, parallel, trainer
+    from largebatch_jax import workdir as wd
+    from largebatch_jax.data.loader import UnreadableImageError
+    from largebatch_jax.data.sources import DatasetNotPreparedError
+    from largebatch_jax.validate import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and results.")
@@ -61,6 +67,17 @@ def main(argv):
         _PROCESS_ID.value,
         heartbeat_timeout_seconds=_HEARTBEAT.value,
     )
+    with host.plugin_noise_filtered():
+        devices = jax.devices()  # the backend starts here
+    warning = host.cpu_only_warning(
+        devices[0].platform,
+        len(devices),
+        config.model,
+        config.image_size,
+        host.visible_accelerators(),
+    )
+    if warning and jax.process_index() == 0:
+        print(warning, file=sys.stderr, flush=True)
     workdir = wd.resolve(_WORKDIR.value)
     try:
         result = trainer.train_and_evaluate(config, workdir)

@@ -60,6 +60,13 @@ def parse_args(argv=None):
     p.add_argument("--conv_impl", default="both", choices=("both", "xla", "matmul"))
     p.add_argument("--no_reference", action="store_true")
     p.add_argument("--input", default="synthetic", choices=("synthetic", "real"))
+    p.add_argument(
+        "--aot_json",
+        default=None,
+        help="figures of the same configuration compiled without the device "
+        "(python -m largebatch_jax.aot ... --json=FILE): printed beside ours, so that a run "
+        "on the hardware checks the compiler's memory estimate",
+    )
     return p.parse_args(argv)
 
 
@@ -76,6 +83,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from largebatch_jax import parallel  # noqa: E402
+from largebatch_jax.aot.targets import gpu, gpu_kind_of  # noqa: E402
 from largebatch_jax.builder import (  # noqa: E402
     build_training,
     input_shape,
@@ -173,16 +181,26 @@ def reference(config, mesh) -> tuple:
     return ref, engine
 
 
-# Dense bf16 peak FLOP/s per device (vendor data sheets, without sparsity), for MFU.
-BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "V100": 125.0}
-
-
 def bf16_peak_flops(device_kind: str) -> float | None:
-    """The device's bf16 peak FLOP/s, or None where the table does not know it (CPU)."""
-    for name, tflops in BF16_PEAK_TFLOPS.items():
-        if name in device_kind:
-            return tflops * 1e12
-    return None
+    """The device's dense bf16 peak FLOP/s (the data sheets' figures of
+    `largebatch_jax.aot.targets`), or None where it has none (CPU)."""
+    kind = gpu_kind_of(device_kind)
+    return gpu(kind).peak_bf16_flops if kind else None
+
+
+def compare_with_aot(path: str, memory_bytes: int) -> None:
+    """This compile's memory per device beside the deviceless compile's of the same
+    configuration (`--aot_json`)."""
+    import json
+
+    figures = json.loads(Path(path).read_text())
+    aot = figures["train"]["memory_bytes"]
+    print(
+        f"{'':34s} memory per device: this compile {memory_bytes / 2**20:,.1f} MiB, the "
+        f"deviceless compile for {figures['target']} {aot / 2**20:,.1f} MiB "
+        f"({memory_bytes / aot:.3f}x)",
+        flush=True,
+    )
 
 
 def report(
@@ -240,6 +258,8 @@ def synthetic(args) -> int:
             rows.setdefault(f"ours (conv_impl={impl})", []).append(
                 report(f"ours (conv_impl={impl})", m, global_batch, args.per_device_batch, peak)
             )
+            if args.aot_json and impl == "xla":
+                compare_with_aot(args.aot_json, m["memory_bytes"])
             del m
         if with_reference and config.accum_steps == 1:
             ref, ref_engine = reference(config, engine.mesh)

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from largebatch_jax import reference
 from largebatch_jax.models import resnet
 from largebatch_jax.parallel import AXIS
+from largebatch_jax.step import one_random_stream
 
 
 class FlaxBatchNorm(nn.Module):
@@ -121,7 +122,8 @@ def main() -> int:
             init = functools.partial(model.init, train=False)
             swap = name == "ours, flax BN"
             with batchnorm(FlaxBatchNorm) if swap else contextlib.nullcontext():
-                variables = jax.jit(init)(jax.random.key(0), jnp.zeros((1, *shape)))
+                with one_random_stream():
+                    variables = jax.jit(init)(jax.random.key(0), jnp.zeros((1, *shape)))
                 call = (variables["params"], variables["batch_stats"], x, y)
                 began = time.perf_counter()
                 compiled = grad_fn(model, mesh).lower(*call).compile()

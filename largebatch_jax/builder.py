@@ -17,7 +17,7 @@ import jax
 import optax
 from flax import linen as nn
 
-from largebatch_jax import optim, parallel, schedules
+from largebatch_jax import exact, optim, parallel, schedules
 from largebatch_jax.data import sources
 from largebatch_jax.models import create_model
 from largebatch_jax.parallel import AXIS
@@ -31,9 +31,11 @@ from largebatch_jax.step import (
 )
 
 
-def model_from_config(config: Any) -> nn.Module:
+def model_from_config(config: Any, platform: str | None = None) -> nn.Module:
     """The model named by the config, with per-worker BN of `bn_group_size` (rule 9), or
-    BN synchronised over all devices when `bn_sync` (the Flax-example ablation)."""
+    BN synchronised over all devices when `bn_sync` (the Flax-example ablation); its
+    max-pool differentiated as suits `platform` (default: this process's backend): on
+    GPU without a scatter (models/pool.py)."""
     return create_model(
         config.model,
         config.num_classes,
@@ -45,6 +47,7 @@ def model_from_config(config: Any) -> nn.Module:
         bn_epsilon=config.bn_epsilon,
         bn_axis_name=AXIS if config.bn_sync else None,
         conv_impl=config.conv_impl,
+        pool_impl="slices" if parallel.is_gpu(platform or jax.default_backend()) else "xla",
     )
 
 
@@ -106,18 +109,22 @@ def build_training(
 
     `steps_per_epoch` places the schedule's epoch boundaries (rules 2, 3); `platform` is
     the backend the steps will run on where it is not this process's (an ahead-of-time
-    compile for a TPU on a CPU host), for the choices that depend on it. `abstract`: the
-    state as shapes only, placed like the real one, for lowering without materialising.
+    compile for a TPU on a CPU host), for the choices that depend on it: the accumulation
+    loop, the max-pool's gradient, XLA's determinism options for the exact mode on GPU.
+    `abstract`: the state as shapes only, placed like the real one, for lowering without
+    materialising.
     """
+    platform = platform or jax.default_backend()
     learning_rate_fn = schedules.create_learning_rate_schedule(config, steps_per_epoch)
     tx = optim.optimizer_from_config(config, learning_rate_fn)
-    model = model_from_config(config)
+    model = model_from_config(config, platform)
     shape = image_shape(config)
     if abstract:
         state = engine.abstract_replicated(abstract_train_state(model, tx, shape))
     else:
         state = engine.replicate(create_train_state(jax.random.key(config.seed), model, tx, shape))
     normalize = pixel_normalization(config)
+    options = exact.compiler_options(platform) if config.reduction == "exact" else {}
     train_step = engine.map(
         make_train_step(
             model,
@@ -132,6 +139,7 @@ def build_training(
             bn_momentum=config.bn_momentum,
         ),
         donate_state=True,
+        compiler_options=options,
     )
     return Training(
         model=model,
@@ -142,6 +150,7 @@ def build_training(
         state=state,
         train_step=train_step,
         eval_step=engine.map(
-            make_eval_step(model, normalize, config.reduction, config.bn_group_size)
+            make_eval_step(model, normalize, config.reduction, config.bn_group_size),
+            compiler_options=options,
         ),
     )

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from largebatch_jax import parallel
+
 try:  # Varying -> invariant: the gathered sum is typed as the same on every device
     all_gather_invariant = jax.lax.all_gather_invariant
 except AttributeError:  # jax 0.10 has it, not yet exported
@@ -65,6 +67,16 @@ def check_cpu_threads(
             "compared, or set reduction='fast'."
         )
     return None
+
+
+def compiler_options(platform: str) -> dict[str, Any]:
+    """XLA options the exact mode compiles with on `platform`. On GPU,
+    `xla_gpu_deterministic_ops` ("guarantees run-to-run determinism on GPU", its help
+    text): scatters deterministic, convolution and GEMM algorithms chosen among the
+    deterministic ones and not by timing. The bits then also depend on the GPU model and
+    the XLA, CUDA and cuDNN versions (README, "Exact mode"). Nothing elsewhere: XLA:CPU
+    and the TPU compiler run every op of these programs deterministically."""
+    return {"xla_gpu_deterministic_ops": True} if parallel.is_gpu(platform) else {}
 
 
 def map_groups(fn, xs: Any, axis_name: str | None = None) -> Any:

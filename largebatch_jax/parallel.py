@@ -27,6 +27,14 @@ PARALLELISMS = ("shard_map", "pmap")
 ACCUM_LOOPS = ("scan", "unroll")
 
 
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def is_gpu(platform: str) -> bool:
+    """Whether a platform name (a device's, or an ahead-of-time target's) is a GPU."""
+    return platform in GPU_PLATFORMS
+
+
 def resolve_accum_loop(accum_loop: str, backend: str) -> str:
     """'auto': a Python loop on CPU, `lax.scan` elsewhere. XLA:CPU runs the model several
     times slower inside a while loop (the lowering of scan) than as straight-line code:
@@ -240,11 +248,22 @@ class DataParallel:
                 raise item
             yield item
 
-    def map(self, per_device_fn: Callable, donate_state: bool = False) -> Callable:
+    def map(
+        self,
+        per_device_fn: Callable,
+        donate_state: bool = False,
+        compiler_options: Mapping[str, Any] | None = None,
+    ) -> Callable:
         """Run `per_device_fn(state, batch)` on every device: state replicated, batch split
-        along its leading axis; outputs must be reduced over AXIS (they are replicated)."""
+        along its leading axis; outputs must be reduced over AXIS (they are replicated).
+        `compiler_options`: XLA options compiled into the program (`jax.jit`'s)."""
         donate = (0,) if donate_state else ()
         if self.parallelism == "pmap":
+            if compiler_options:
+                raise ValueError(
+                    f"parallelism='pmap' cannot compile with XLA options {dict(compiler_options)}"
+                    " (the exact mode on GPU needs them): use parallelism='shard_map'."
+                )
             return jax.pmap(
                 per_device_fn,
                 axis_name=AXIS,
@@ -256,4 +275,6 @@ class DataParallel:
         mapped = jax.shard_map(
             per_device_fn, mesh=self.mesh, in_specs=(P(), P(AXIS)), out_specs=P()
         )
-        return jax.jit(mapped, donate_argnums=donate)
+        return jax.jit(
+            mapped, donate_argnums=donate, compiler_options=dict(compiler_options or {}) or None
+        )

@@ -24,6 +24,7 @@ from flax import linen as nn
 
 from largebatch_jax import parallel
 from largebatch_jax.parallel import AXIS
+from largebatch_jax.step import one_random_stream
 
 
 class _Bottleneck(nn.Module):
@@ -139,9 +140,10 @@ def build_reference(
         params = variables["params"]
         return params, variables["batch_stats"], tx.init(params), jnp.zeros([], jnp.int32)
 
-    if abstract:
-        state = engine.abstract_replicated(jax.eval_shape(init, jax.random.key(0)))
-    else:
-        state = engine.replicate(jax.jit(init)(jax.random.key(0)))
+    with one_random_stream():
+        if abstract:
+            state = engine.abstract_replicated(jax.eval_shape(init, jax.random.key(0)))
+        else:
+            state = engine.replicate(jax.jit(init)(jax.random.key(0)))
     step = engine.map(make_reference_step(model, tx), donate_state=True)
     return Reference(state=state, train_step=step, image_shape=shape)

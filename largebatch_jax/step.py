@@ -48,7 +48,8 @@ def create_train_state(
 ) -> TrainState:
     """Initialise parameters (the paper's init lives in the model), BN statistics
     (mean 0, var 1) and the optimizer state, on the host's default device."""
-    return jax.jit(functools.partial(_init_state, model, tx, image_shape))(rng)
+    with one_random_stream():
+        return jax.jit(functools.partial(_init_state, model, tx, image_shape))(rng)
 
 
 def abstract_train_state(
@@ -56,7 +57,21 @@ def abstract_train_state(
 ) -> TrainState:
     """The shapes and dtypes of `create_train_state`'s result, computing nothing (for
     compiling ahead of time on a host that does not hold the target's devices)."""
-    return jax.eval_shape(functools.partial(_init_state, model, tx, image_shape), jax.random.key(0))
+    with one_random_stream():
+        return jax.eval_shape(
+            functools.partial(_init_state, model, tx, image_shape), jax.random.key(0)
+        )
+
+
+def one_random_stream():
+    """The random stream every initialisation draws from, whatever the process's JAX
+    settings, so that a seed gives the same initial weights everywhere: the
+    non-partitionable threefry. The partitionable one (JAX's default) compiles
+    pathologically slowly on XLA:CPU for some shapes (measured: 5.8 s vs 0.4 s for a
+    3x3x8x16 kernel; ResNet-50 init 16 s vs 10 s); only sharded random generation would
+    need it, and the project does none. A context manager (the setting is read when the
+    initialisation is traced)."""
+    return jax.threefry_partitionable(False)
 
 
 def _init_state(model, tx, image_shape, rng) -> TrainState:
@@ -93,19 +108,40 @@ class PixelNormalization:
         return (x - mean) * inv_std
 
 
-def mean_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+def cross_entropy(logits: jax.Array, labels: jax.Array, scatter_free: bool = False) -> jax.Array:
+    """Per-example softmax cross-entropy with integer labels (optax's). `scatter_free`:
+    the same formula, logsumexp(logits) minus the label's logit, with the label's logit
+    picked by a one-hot select and a sum instead of a gather, so that its gradient is a
+    select, not a scatter-add (on GPU a scatter, made deterministic there only by a
+    sort). The loss is the same to the bit (the sum adds zeros to the one picked value);
+    the gradient's values are the same, but the program differs, so XLA may fuse the
+    rest differently (on XLA:CPU: 1e-9 apart). Used on GPU only (`make_train_step`)."""
+    if not scatter_free:
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    picked = jnp.arange(logits.shape[-1]) == labels[..., None]
+    label_logits = jnp.sum(jnp.where(picked, logits, jnp.zeros((), logits.dtype)), axis=-1)
+    return jax.nn.logsumexp(logits, axis=-1) - label_logits
+
+
+def mean_cross_entropy(
+    logits: jax.Array, labels: jax.Array, scatter_free: bool = False
+) -> jax.Array:
     """Paper rule 7 (Remark 3): the loss is normalised by the number of images it sums
     over.
 
     Per micro-batch mean here; the mean over micro-steps and devices (all of equal size)
     then normalises by the whole minibatch kn.
     """
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return cross_entropy(logits, labels, scatter_free).mean()
 
 
-def topk_errors(logits: jax.Array, labels: jax.Array, k: int) -> jax.Array:
-    """1.0 where the label is not among the k highest logits, per example."""
+def topk_errors(logits: jax.Array, labels: jax.Array, k: int, sort_free: bool = False) -> jax.Array:
+    """1.0 where the label is not among the k highest logits, per example. `sort_free`
+    with k=1: an argmax (ties to the lower index, as `lax.top_k`), which on GPU needs no
+    sort; the same 0s and 1s."""
     k = min(k, logits.shape[-1])
+    if k == 1 and sort_free:
+        return (jnp.argmax(logits, axis=-1) != labels).astype(jnp.float32)
     _, top = jax.lax.top_k(logits, k)
     return 1.0 - jnp.any(top == labels[:, None], axis=-1).astype(jnp.float32)
 
@@ -146,13 +182,16 @@ def make_train_step(
     n) as one `lax.scan` ('scan': one copy of the model in the program, whatever
     accum_steps is) or as a Python loop ('unroll': accum_steps copies). Same sums in the
     same order; 'auto' picks the faster for `platform` (the backend the step will run
-    on; default: this process's), see `parallel.resolve_accum_loop`. `normalize` maps the
+    on; default: this process's), see `parallel.resolve_accum_loop`; on GPU the loss and the
+    training error are computed without a scatter or a sort. `normalize` maps the
     batch's pixels to the model's input (a `PixelNormalization`); None: used as given.
     `reduction='exact'` (needs `bn_group_size` and the model's `bn_momentum`):
     `exact_sums` instead of the micro-steps and `pmean`, bit-identical for every layout
     of the same kn and n; accum_steps and accum_loop then change nothing.
     """
-    accum_loop = parallel.resolve_accum_loop(accum_loop, platform or jax.default_backend())
+    platform = platform or jax.default_backend()
+    accum_loop = parallel.resolve_accum_loop(accum_loop, platform)
+    gpu = parallel.is_gpu(platform)  # no scatter or sort there (`cross_entropy`)
     if accum_loop not in parallel.ACCUM_LOOPS:
         raise ValueError(f"accum_loop={accum_loop!r} is not one of {parallel.ACCUM_LOOPS}.")
     if reduction not in REDUCTIONS:
@@ -168,13 +207,13 @@ def make_train_step(
             train=True,
             mutable=["batch_stats"],
         )
-        return mean_cross_entropy(logits, labels), (logits, updated["batch_stats"])
+        return mean_cross_entropy(logits, labels, gpu), (logits, updated["batch_stats"])
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def group_step(params, batch_stats, x, y):
         (loss, (logits, stats)), grads = grad_fn(params, batch_stats, x, y)
-        return grads, stats, loss, topk_errors(logits, y, 1).mean()
+        return grads, stats, loss, topk_errors(logits, y, 1, gpu).mean()
 
     def exact_sums(state: TrainState, images, labels):
         """The mean over the kn images of every group's gradient, BN statistics update,
@@ -294,7 +333,7 @@ def make_eval_step(
             images,
             train=False,
         )
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        loss = cross_entropy(logits, labels)
         return {
             "count": mask,
             "loss_sum": loss * mask,

@@ -108,8 +108,11 @@ HOST_LOCAL_FIELDS = ("data_dir", "workers")
 def _check_processes_agree(config: Any) -> None:
     values = {f"config.{k}": v for k, v in config.to_dict().items() if k not in HOST_LOCAL_FIELDS}
     values["local devices"] = jax.local_device_count()
-    values["platform"] = jax.devices()[0].platform
+    # This process's own devices (jax.devices()[0] is process 0's in every process).
+    values["platform"] = jax.local_devices()[0].platform
     values["jax version"] = jax.__version__
+    if config.reduction == "exact":  # the bits depend on the device model's kernels too
+        values["device kind"] = jax.local_devices()[0].device_kind
     try:
         parallel.check_processes_agree(values)
     except ValueError as e:

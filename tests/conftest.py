@@ -27,6 +27,10 @@ import tracemalloc  # noqa: F401
 import jax
 import pytest
 
+# Tests that initialise models directly (not through step.create_train_state, which
+# chooses its stream itself) use the project's stream: the same weights, and fast on CPU.
+jax.config.update("jax_threefry_partitionable", False)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():

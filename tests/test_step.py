@@ -419,3 +419,29 @@ def test_exact_mode_config_limits_are_one_line(changes, devices, message):
     config.update(changes)
     with pytest.raises(ConfigError, match=message):
         validate_config(config, devices)
+
+
+def test_initialisation_draws_the_same_weights_whatever_the_processs_random_setting():
+    """create_train_state picks its random stream itself (the package sets no JAX flag
+    on import): a program that left JAX's default threefry on gets the same weights."""
+
+    def bare_init():
+        init = jax.jit(functools.partial(model().init, train=False))
+        return init(jax.random.key(0), jnp.zeros((1, SIZE, SIZE, 1)))["params"]
+
+    before = jax.config.jax_threefry_partitionable
+    states, bare = [], []
+    try:
+        for partitionable in (False, True):
+            jax.config.update("jax_threefry_partitionable", partitionable)
+            states.append(
+                step_lib.create_train_state(jax.random.key(0), model(), TX, (SIZE, SIZE, 1))
+            )
+            bare.append(bare_init())
+    finally:
+        jax.config.update("jax_threefry_partitionable", before)
+    same = jax.tree.map(lambda a, b: bool((a == b).all()), states[0].params, states[1].params)
+    assert all(jax.tree.leaves(same))
+    # The setting does change a bare init: the check above is not vacuous.
+    differ = jax.tree.map(lambda a, b: bool((a != b).any()), bare[0], bare[1])
+    assert any(jax.tree.leaves(differ))

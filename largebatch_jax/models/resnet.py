@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from largebatch_jax.models import conv as conv_lib
+from largebatch_jax.models import pool as pool_lib
 from largebatch_jax.models.batchnorm import BatchNorm
 
 
@@ -125,7 +126,8 @@ class ResNet(_Layers):
     """A ResNet: stem, stages of residual blocks, global average pool, classifier.
 
     `cifar_stem=True` is the 3x3/16-channel stem of the CIFAR family (no max-pool);
-    otherwise the ImageNet 7x7/2 conv + 3x3/2 max-pool stem.
+    otherwise the ImageNet 7x7/2 conv + 3x3/2 max-pool stem (`pool_impl`: models/pool.py,
+    the same numbers either way).
     """
 
     stage_sizes: Sequence[int] = (3, 4, 6, 3)
@@ -135,6 +137,7 @@ class ResNet(_Layers):
     stage_features: Sequence[int] = (64, 128, 256, 512)
     cifar_stem: bool = False
     zero_init_residual: bool = True
+    pool_impl: str = "xla"
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
@@ -145,7 +148,7 @@ class ResNet(_Layers):
         else:
             x = self.conv(self.stem_features, 7, 2, name="stem_conv")(x)
             x = nn.relu(self.norm(name="stem_bn")(x, not train))
-            x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+            x = pool_lib.max_pool(x, self.pool_impl)
         block = functools.partial(
             self.block_cls,
             bn_group_size=self.bn_group_size,
@@ -206,12 +209,14 @@ def create_model(
     bn_epsilon: float = 1e-5,
     bn_axis_name: str | None = None,
     conv_impl: str = "xla",
+    pool_impl: str = "xla",
 ) -> ResNet:
     """A ResNet by name: resnet18/34/50/101/152 (ImageNet, v1.5) or resnet8/20/32/56 (CIFAR).
 
     `width` is the first-stage channel count of the CIFAR family (16 in He et al.).
     `bn_axis_name` switches BN from per-worker groups to statistics synchronised over
-    that axis (the Flax-example behaviour; only for the ablation).
+    that axis (the Flax-example behaviour; only for the ablation). `pool_impl`: how the
+    ImageNet stem's max-pool is differentiated (`pool.pool_impl_for` the platform).
     """
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -223,6 +228,8 @@ def create_model(
         raise ValueError(f"num_classes={num_classes} must be > 0.")
     if conv_impl not in CONV_IMPLS:
         raise ValueError(f"conv_impl={conv_impl!r} is not one of {tuple(CONV_IMPLS)}.")
+    if pool_impl not in pool_lib.POOL_IMPLS:
+        raise ValueError(f"pool_impl={pool_impl!r} is not one of {pool_lib.POOL_IMPLS}.")
     common = dict(
         num_classes=num_classes,
         bn_group_size=bn_group_size,
@@ -236,7 +243,7 @@ def create_model(
     depth = int(name.removeprefix("resnet"))
     if depth in IMAGENET_DEPTHS:
         block_cls, stages = IMAGENET_DEPTHS[depth]
-        return ResNet(stage_sizes=stages, block_cls=block_cls, **common)
+        return ResNet(stage_sizes=stages, block_cls=block_cls, pool_impl=pool_impl, **common)
     if width <= 0:
         raise ValueError(f"width={width} must be > 0.")
     n = (depth - 2) // 6
