@@ -212,6 +212,11 @@ def make_train_step(
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def group_step(params, batch_stats, x, y):
+        # Each micro-step or group normalises its own pixels: normalising the device's
+        # whole batch first would hold all of it as float32 at once (kn=8192 on 8 GPUs: 1024
+        # images, 588 MiB, which XLA's GPU compiler keeps live across the loop).
+        if normalize is not None:
+            x = normalize(x)
         (loss, (logits, stats)), grads = grad_fn(params, batch_stats, x, y)
         return grads, stats, loss, topk_errors(logits, y, 1, gpu).mean()
 
@@ -247,8 +252,6 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         images, labels = batch["image"], batch["label"]
-        if normalize is not None:
-            images = normalize(images)
         if reduction == "exact":
             return update(state, *exact_sums(state, images, labels))
         if images.shape[0] % accum_steps:
