@@ -7,8 +7,8 @@ steps x 8.
 """
 
 import functools
-import re
 import hashlib
+import re
 
 import jax
 import jax.numpy as jnp
