@@ -79,17 +79,20 @@ if ARGS is not None and ARGS.devices:  # before jax is imported
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+from largebatch_jax import host  # noqa: E402
 
-from largebatch_jax import parallel  # noqa: E402
-from largebatch_jax.aot.targets import gpu, gpu_kind_of  # noqa: E402
-from largebatch_jax.builder import (  # noqa: E402
-    build_training,
-    input_shape,
-    known_steps_per_epoch,
-)
-from largebatch_jax.reference import build_reference  # noqa: E402
+with host.plugin_noise_filtered():  # the accelerator plugins' loading banners on a CPU host
+    import jax
+    import numpy as np
+
+    from largebatch_jax import parallel
+    from largebatch_jax.aot.targets import gpu, gpu_kind_of
+    from largebatch_jax.builder import (
+        build_training,
+        input_shape,
+        known_steps_per_epoch,
+    )
+    from largebatch_jax.reference import build_reference
 
 # ------------------------------------------------------------------ measurement
 
@@ -232,7 +235,8 @@ def report(
 
 
 def synthetic(args) -> int:
-    engine = parallel.DataParallel(parallel.create_mesh())
+    with host.plugin_noise_filtered():
+        engine = parallel.DataParallel(parallel.create_mesh())  # the backend starts here
     devices = list(engine.mesh.devices.flat)
     d = engine.num_devices
     config = synthetic_config(args, d)
@@ -245,7 +249,7 @@ def synthetic(args) -> int:
         f"{time.strftime('%Y-%m-%d')}",
         flush=True,
     )
-    host = synthetic_batch(global_batch, input_shape(config), config.num_classes, True)
+    host_batch = synthetic_batch(global_batch, input_shape(config), config.num_classes, True)
     impls = ["xla", "matmul"] if args.conv_impl == "both" else [args.conv_impl]
     rows: dict[str, list[dict]] = {}
     with_reference = not args.no_reference and config.model == "resnet50"
@@ -253,7 +257,7 @@ def synthetic(args) -> int:
         for impl in impls:
             training = ours(synthetic_config(args, d, impl), engine)
             m = compile_and_time(
-                training.train_step, training.state, engine.shard_batch(host), args.steps
+                training.train_step, training.state, engine.shard_batch(host_batch), args.steps
             )
             rows.setdefault(f"ours (conv_impl={impl})", []).append(
                 report(f"ours (conv_impl={impl})", m, global_batch, args.per_device_batch, peak)

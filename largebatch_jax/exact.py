@@ -72,9 +72,10 @@ def check_cpu_threads(
 def compiler_options(platform: str) -> dict[str, Any]:
     """XLA options the exact mode compiles with on `platform`. On GPU,
     `xla_gpu_deterministic_ops` ("guarantees run-to-run determinism on GPU", its help
-    text): scatters deterministic, convolution and GEMM algorithms chosen among the
-    deterministic ones and not by timing. The bits then also depend on the GPU model and
-    the XLA, CUDA and cuDNN versions (README, "Exact mode"). Nothing elsewhere: XLA:CPU
+    text): deterministic scatters, and cuDNN convolution algorithms picked as the first
+    working one rather than the fastest measured (autotuning's timing noise could pick
+    another in another run). The bits then also depend on the GPU model and the XLA, CUDA
+    and cuDNN versions (README, "Compiled for NVIDIA GPUs"). Nothing elsewhere: XLA:CPU
     and the TPU compiler run every op of these programs deterministically."""
     return {"xla_gpu_deterministic_ops": True} if parallel.is_gpu(platform) else {}
 

@@ -249,7 +249,7 @@ def build(config: Any, workdir: str | Path) -> Run:
     (`build_training`); restore the newest readable checkpoint."""
     filter_library_logs()
     _check_processes_agree(config)  # first: every process must then take the same path
-    validate_config(config, jax.device_count())
+    validate_config(config, jax.device_count(), jax.default_backend())
     if config.reduction == "exact":
         error = exact.check_cpu_threads(jax.default_backend(), jax.local_device_count())
         if error:

@@ -94,9 +94,10 @@ RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
 }
 
 
-def validate_config(config: Any, num_devices: int) -> int:
-    """Check every field's type and range and the minibatch geometry; returns the
-    per-device micro-batch. Raises ConfigError with one line."""
+def validate_config(config: Any, num_devices: int, platform: str | None = None) -> int:
+    """Check every field's type and range and the minibatch geometry, and what depends on
+    the `platform` the steps compile for where it is given; returns the per-device
+    micro-batch. Raises ConfigError with one line."""
     validate_fields(config)
     try:
         micro = parallel.micro_batch_size(
@@ -111,6 +112,11 @@ def validate_config(config: Any, num_devices: int) -> int:
         )
     if config.reduction == "exact":
         _check_exact(config, num_devices)
+        if platform and parallel.is_gpu(platform) and config.parallelism == "pmap":
+            raise ConfigError(
+                "config.reduction='exact' on GPU compiles with XLA's determinism option, "
+                "which parallelism='pmap' cannot pass: set parallelism='shard_map'."
+            )
     return micro
 
 

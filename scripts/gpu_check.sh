@@ -60,7 +60,12 @@ if ! "$PYTHON" -c "from largebatch_jax.aot.targets import packaged_ptxas as p; a
   && command -v ptxas >/dev/null; then
   aot+=(--ptxas="$(command -v ptxas)")
 fi
-"$PYTHON" -c "import jax, flax, optax; print(jax.devices(), 'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__)"
+"$PYTHON" -c "
+from largebatch_jax import host
+with host.plugin_noise_filtered():
+    import jax, flax, optax
+    devices = jax.devices()
+print(devices, 'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__)"
 work=$(mktemp -d)
 for batch in $BATCHES; do
   for dtype in $DTYPES; do

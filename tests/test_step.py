@@ -408,6 +408,7 @@ def test_exact_eval_is_bit_identical_on_every_layout_and_counts_each_image_once(
         ({"bn_sync": True}, 8, r"does not apply with bn_sync=True"),
         ({"optimizer": "lars"}, 8, r"does not cover optimizer='lars'"),
         ({"eval_batch_size": 80}, 8, r"eval_batch_size=80 gives 10 images per device"),
+        ({"parallelism": "pmap"}, 8, r"on GPU compiles with XLA's determinism option"),
     ],
 )
 def test_exact_mode_config_limits_are_one_line(changes, devices, message):
@@ -416,10 +417,12 @@ def test_exact_mode_config_limits_are_one_line(changes, devices, message):
 
     config = smoke.get_config()
     config.reduction = "exact"
-    validate_config(config, devices)  # the smoke config itself is fine
+    validate_config(config, devices, "gpu")  # the smoke config itself is fine
     config.update(changes)
+    if "parallelism" in changes:  # pmap is fine on the other platforms
+        validate_config(config, devices, "tpu")
     with pytest.raises(ConfigError, match=message):
-        validate_config(config, devices)
+        validate_config(config, devices, "gpu")
 
 
 def test_initialisation_draws_the_same_weights_whatever_the_processs_random_setting():

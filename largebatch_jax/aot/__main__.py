@@ -84,7 +84,7 @@ def run(
         )
     elif per_device_batch:
         config = programs.with_micro_batch(config, devices, int(per_device_batch))
-    micro = validate_config(config, devices)  # main.py's checks, for these devices
+    micro = validate_config(config, devices, target.platform)  # main.py's, for the target
     program_options = exact.compiler_options(target.platform) if config.reduction == "exact" else {}
     print(
         f"{config.model} kn={config.batch_size} n={config.bn_group_size} {config.dtype} "

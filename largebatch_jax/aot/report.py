@@ -49,6 +49,8 @@ def describe(name: str, c: Compiled, chip: Accelerator, unit: str, images: int) 
     lines.append(
         f"  roofline: >= {1e3 * roof:.2f} ms per step ({bound}-bound), <= "
         f"{images / roof:,.0f} images/s per {unit}"
+        if roof > 0
+        else "  roofline: unknown (this jax gives no cost analysis)"
     )
     return lines + describe_audit(c.audit)
 
@@ -90,7 +92,7 @@ def as_dict(c: Compiled, chip: Accelerator, images: int) -> dict[str, Any]:
         "bytes_accessed": c.bytes_accessed,
         "collectives": [[col.kind, col.bytes] for col in c.collectives],
         "roofline_s": c.roofline_s(chip),
-        "roofline_images_per_s": images / c.roofline_s(chip),
+        "roofline_images_per_s": images / c.roofline_s(chip) if c.roofline_s(chip) else None,
         "convolutions": c.audit.convolutions,
         "scatters": [list(s) for s in c.audit.scatters],
     }
