@@ -62,6 +62,7 @@ if ! "$PYTHON" -c "from largebatch_jax.aot.targets import packaged_ptxas as p; a
 fi
 "$PYTHON" -c "
 from largebatch_jax import host
+host.choose_platforms()
 with host.plugin_noise_filtered():
     import jax, flax, optax
     devices = jax.devices()
