@@ -454,8 +454,8 @@ def test_initialisation_draws_the_same_weights_whatever_the_processs_random_sett
 @pytest.mark.parametrize("reduction", ["fast", "exact"])
 def test_pixels_become_float32_one_micro_batch_at_a_time(reduction):
     """The step normalises each micro-step's (or BN group's) uint8 pixels when it uses
-    them, never the device's whole batch at once: with accumulation that copy held every
-    micro-step's images as float32 (kn=8192 on 8 GPUs: 588 MiB of temporaries)."""
+    them, never the device's whole batch at once: with accumulation that copy would hold
+    every micro-step's images as float32 (kn=8192 on 8 GPUs: 588 MiB of temporaries)."""
     from configs import smoke
     from largebatch_jax import builder
 
