@@ -3,6 +3,7 @@ local launcher (N processes) in subprocesses, and read what a run left in its wo
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,12 +23,22 @@ LONGER = (
 
 
 def env(**extra):
-    return {
+    """The tests' environment for a run; an `extra` value of None removes that variable
+    (JAX_PLATFORMS=None: main.py chooses the platform as it does for a user)."""
+    values = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
         "JAX_PLATFORMS": "cpu",
         **extra,
     }
+    return {k: v for k, v in values.items() if v is not None}
+
+
+# What libtpu, the CUDA plugin and JAX's backend start print on a host without them.
+PLUGIN_LINE = re.compile(
+    r"cudart_stub|cuda drivers|\bCUDA\b|libtpu|TPU_|\bTPU\b|jax_plugins|Unable to initialize"
+    r" backend|absl::InitializeLog|InitGoogle|oneDNN|Source Location Trace"
+)
 
 
 def command(workdir, data_dir, *overrides, config="configs/smoke.py", processes=0, devices=8):

@@ -1,23 +1,15 @@
 """A CPU host: main.py starts no accelerator plugin and prints none of their noise, even
-with libtpu and the CUDA plugin installed (make install puts both there), and it says in
-one line when an ImageNet-size run is about to train on CPU devices only."""
+with libtpu and the CUDA plugin installed (make install puts both there; the smoke run of
+test_main checks a whole run's output), and it says in one line when an ImageNet-size run
+is about to train on CPU devices only."""
 
 import importlib.util
 import os
-import re
 import subprocess
 import sys
 
-import pytest
-
 from largebatch_jax import host
 from tests import runs
-
-# What libtpu, the CUDA plugin and JAX's backend start print on a host without them.
-PLUGIN_LINE = re.compile(
-    r"cudart_stub|cuda drivers|\bCUDA\b|libtpu|TPU_|\bTPU\b|jax_plugins|Unable to initialize"
-    r" backend|absl::InitializeLog|InitGoogle|oneDNN|Source Location Trace"
-)
 
 
 def test_visible_accelerators_reads_device_nodes_and_the_pci_bus(tmp_path):
@@ -66,39 +58,24 @@ def test_cpu_only_warning_names_the_install_for_the_hardware():
     assert "this host has an NVIDIA GPU" in gpu_host and host.INSTALL["cuda"] in gpu_host
 
 
-def _without_jax_platforms() -> dict:
-    env = runs.env()
-    env.pop("JAX_PLATFORMS")
-    return env
-
-
-@pytest.mark.slow
-def test_a_cpu_run_of_main_prints_no_accelerator_plugin_line(tmp_path, fashion_mnist_dir):
-    for plugin in ("libtpu", "jax_cuda12_plugin"):  # both installed: else nothing is shown
-        if importlib.util.find_spec(plugin) is None and os.environ.get("REQUIRE_GPU_COMPILER"):
-            pytest.fail(f"{plugin} is not installed (make install)")
-    out = subprocess.run(
-        runs.command(tmp_path / "wd", fashion_mnist_dir),
-        cwd=runs.ROOT,
-        env=_without_jax_platforms(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = (out.stdout + out.stderr).splitlines()
-    assert [x for x in lines if PLUGIN_LINE.search(x)] == []
-    assert out.stdout.splitlines()[-1].startswith("done: top-1 error")
+def test_both_plugins_are_installed_where_ci_requires_them():
+    """make install puts libtpu and the CUDA plugin in the venv, so that the runs of the
+    tests (test_main's smoke run, the one below) show that their noise is gone."""
+    if os.environ.get("REQUIRE_GPU_COMPILER") != "1":
+        return
+    for plugin in ("libtpu", "jax_cuda12_plugin"):
+        assert importlib.util.find_spec(plugin) is not None, plugin
 
 
 def test_an_imagenet_config_on_cpu_says_so_in_one_line(tmp_path):
     out = subprocess.run(
         [sys.executable, "main.py", "--config=configs/imagenet_8k.py", f"--workdir={tmp_path}/wd",
          f"--config.data_dir={tmp_path}/no_data"],
-        cwd=runs.ROOT, env=_without_jax_platforms(), capture_output=True, text=True, timeout=300,
+        cwd=runs.ROOT, env=runs.env(JAX_PLATFORMS=None), capture_output=True, text=True,
+        timeout=300,
     )  # fmt: skip
     assert out.returncode == 2  # the data is not prepared
     warnings = [x for x in out.stderr.splitlines() if x.startswith("warning:")]
     assert warnings == [host.cpu_only_warning("cpu", 8, "resnet50", 224, ())]
     others = [x for x in out.stderr.splitlines() if not x.startswith("warning:")]
-    assert [x for x in others if PLUGIN_LINE.search(x)] == []
+    assert [x for x in others if runs.PLUGIN_LINE.search(x)] == []

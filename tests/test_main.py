@@ -21,6 +21,7 @@ from largebatch_jax.trainer import paper_metric
 from largebatch_jax.validate import ConfigError
 from tests.runs import (
     LONGER,
+    PLUGIN_LINE,
     ROOT,
     checkpoint_steps,
     final_state,
@@ -47,11 +48,15 @@ EVAL_KEYS = {"step", "epoch", "val_error_top1", "val_error_top5", "val_loss"}
 
 
 def test_smoke_end_to_end(tmp_path, fashion_mnist_dir):
+    """As a user runs it (JAX_PLATFORMS unset), after `make install` (libtpu and the CUDA
+    plugin installed): it trains, and prints no line of either plugin."""
     started = time.time()
-    out = run(tmp_path, fashion_mnist_dir)
+    out = run(tmp_path, fashion_mnist_dir, extra_env={"JAX_PLATFORMS": None})
     elapsed = time.time() - started
     assert out.returncode == 0, out.stderr[-3000:]
     print(f"smoke run took {elapsed:.1f} s")
+    lines = (out.stdout + out.stderr).splitlines()
+    assert [x for x in lines if PLUGIN_LINE.search(x)] == []
     rows = read_metrics(tmp_path)
     train_rows = [r for r in rows if "train_loss" in r]
     eval_rows = [r for r in rows if "val_error_top1" in r]
