@@ -1,31 +1,52 @@
-"""Throughput of the training input pipeline against a plain tf.data pipeline.
+"""Throughput of the input pipeline against the strongest tf.data pipeline, per core.
 
-Both decode the same real-size JPEGs (synthesised 500x375 photo-like images), take a
-random-size crop (8%-100% area, aspect 3/4-4/3), resize to 224, flip and batch; tf.data
-also normalises to float32 on the host, as the Flax ImageNet example's pipeline does,
-while ours hands uint8 pixels to the step, which normalises on the device. `--transform
-eval`: rule 13's evaluation crop instead (the centre window that resize-256 + crop-224
-selects, resized to 224; tf.data as the Flax example: `decode_and_crop_jpeg` of that
-window + resize). Ours runs on grain with `workers` decoding processes (one thread each);
-tf.data runs with `num_parallel_calls` and a private thread pool of the same size. Prints
-images/s of each, side by side in one process, and the ratio ours / tf.data.
+Each decodes the same JPEGs, takes rule 13's random-size crop (8%-100% area, aspect
+3/4-4/3), resizes it to 224, flips and batches (`--transform eval`: the centre window
+that resize-256 + crop-224 selects, resized to 224). Columns, side by side in one
+process, images/s (median of alternating repeats):
+
+- ours: the loader with `workers` decoding threads in this process (libjpeg-turbo and
+  OpenCV release the GIL);
+- tf.data u8, the main baseline: `decode_and_crop_jpeg` of the window, bilinear
+  `tf.image.resize`, flip, cast to uint8, normalisation left to the device as ours;
+  `num_parallel_calls` and a private thread pool of `workers` threads;
+- tf.data f32: the same, normalised to float32 on the host, as the Flax ImageNet example;
+- ours procs: the loader with `workers` grain processes of one thread each (the
+  process layout a multi-accelerator host uses; ratio against tf.data u8).
+
+The process (every thread, and the processes it starts) is pinned to `workers` cores, so
+each figure is what that many cores deliver.
+
+Image sets: synthesised photo-like 500x375 JPEGs, and real photographs where a folder
+of them exists (`--photos`; by default the sample images of Debian's opencv-doc:
+`apt-get download opencv-doc && dpkg-deb -x opencv-doc_*.deb DIR`, then
+`--photos DIR/usr/share/doc/opencv-doc/examples/data`, or `apt-get install opencv-doc`).
 
     python experiments/benchmark_input.py [--images 256] [--batch 64] [--batches 24] \
-        [--repeats 3] [--transform train eval]
+        [--repeats 5] [--workers 1 2] [--transform train eval] [--photos DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
+import platform
 import statistics
 import time
+from pathlib import Path
 
+import grain
 import numpy as np
 from PIL import Image
 
-from largebatch_jax.data import loader, sources
+from largebatch_jax.data import jpeg, loader, sources
+
+# Real photographs where Debian's opencv-doc is installed (apt-get install opencv-doc):
+# the sample images of OpenCV's examples, 256-1282 px a side.
+PHOTOS = "/usr/share/doc/opencv-doc/examples/data"
+CORES = sorted(os.sched_getaffinity(0))  # the cores this process may use, at start
 
 
 def synth_jpegs(count: int, seed: int = 0) -> list[bytes]:
@@ -57,40 +78,64 @@ class ListSource:
 
 
 def time_batches(iterator, batches: int, batch: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        next(iterator)
-    start = time.perf_counter()
-    for _ in range(batches):
-        next(iterator)
-    return batches * batch / (time.perf_counter() - start)
+    """images/s over `batches` batches after `warmup`; then the loader's threads or
+    processes are stopped, so that none is left to run during the next measurement."""
+    try:
+        for _ in range(warmup):
+            next(iterator)
+        start = time.perf_counter()
+        for _ in range(batches):
+            next(iterator)
+        return batches * batch / (time.perf_counter() - start)
+    finally:
+        if hasattr(iterator, "close"):
+            iterator.close()
 
 
-def ours_eval(images: list[bytes], workers: int, batch: int, batches: int) -> float:
+def ours_eval(images: list[bytes], workers: int, batch: int, batches: int, processes=False):
     aug = loader.default_augmentation(sources.SPECS["imagenet2012"], 224)
     repeat = -(-(batches + 2) * batch // len(images))
-    it = loader.eval_batches(ListSource(images, repeat), aug, batch, threads=1, workers=workers)
-    return time_batches(it, batches, batch)
-
-
-def ours(images: list[bytes], workers: int, batch: int, batches: int) -> float:
-    aug = loader.default_augmentation(sources.SPECS["imagenet2012"], 224)
-    steps = (batches + 2) * 4
-    it = loader.TrainLoader(
-        ListSource(images),
-        aug,
-        batch,
-        seed=0,
-        num_steps=steps,
-        workers=workers,
-        threads=1,
-        prefetch=2,
+    it = loader.eval_batches(
+        ListSource(images, repeat), aug, batch, **_decoders(workers, processes)
     )
     return time_batches(it, batches, batch)
 
 
-def tf_data(images: list[bytes], workers: int, batch: int, batches: int, train=True) -> float:
-    """The Flax ImageNet example's tf.data pipeline: the crop window decoded with
-    `decode_and_crop_jpeg`, bilinear resize, (flip,) normalisation to float32."""
+def ours(images: list[bytes], workers: int, batch: int, batches: int, processes=False) -> float:
+    aug = loader.default_augmentation(sources.SPECS["imagenet2012"], 224)
+    it = loader.TrainLoader(
+        ListSource(images, -(-batch // len(images))),
+        aug,
+        batch,
+        seed=0,
+        num_steps=(batches + 2) * 4,
+        prefetch=2,
+        **_decoders(workers, processes),
+    )
+    return time_batches(it, batches, batch)
+
+
+def ours_processes(images: list[bytes], workers: int, batch: int, batches: int) -> float:
+    return ours(images, workers, batch, batches, processes=True)
+
+
+def ours_eval_processes(images: list[bytes], workers: int, batch: int, batches: int) -> float:
+    return ours_eval(images, workers, batch, batches, processes=True)
+
+
+def _decoders(workers: int, processes: bool) -> dict:
+    """`workers` decoding threads in this process (as tf.data's), or `workers` grain
+    processes of one thread each."""
+    return dict(workers=workers, threads=1) if processes else dict(workers=0, threads=workers)
+
+
+def tf_data(
+    images: list[bytes], workers: int, batch: int, batches: int, train=True, float32=False
+) -> float:
+    """tf.data as the strongest CPU pipeline: the crop window decoded with
+    `decode_and_crop_jpeg` (libjpeg-turbo skips what lies outside it), bilinear resize,
+    flip, uint8 out (normalisation left to the device, as ours). `float32=True`: the
+    Flax ImageNet example's, which normalises to float32 on the host."""
     import tensorflow as tf
 
     mean = tf.constant(sources.IMAGENET_MEAN, tf.float32)
@@ -117,13 +162,21 @@ def tf_data(images: list[bytes], workers: int, batch: int, batches: int, train=T
         image = tf.image.resize(image, (224, 224), method="bilinear")
         if train:
             image = tf.image.random_flip_left_right(image)
-        return (image - mean) / std
+        return (image - mean) / std if float32 else tf.cast(image, tf.uint8)
 
     return _run_tf(tf, images, transform, workers, batch, batches)
 
 
 def tf_data_eval(images: list[bytes], workers: int, batch: int, batches: int) -> float:
     return tf_data(images, workers, batch, batches, train=False)
+
+
+def tf_flax(images: list[bytes], workers: int, batch: int, batches: int) -> float:
+    return tf_data(images, workers, batch, batches, float32=True)
+
+
+def tf_flax_eval(images: list[bytes], workers: int, batch: int, batches: int) -> float:
+    return tf_data(images, workers, batch, batches, train=False, float32=True)
 
 
 def _run_tf(tf, images, transform, workers: int, batch: int, batches: int) -> float:
@@ -135,34 +188,110 @@ def _run_tf(tf, images, transform, workers: int, batch: int, batches: int) -> fl
     return time_batches(iter(ds.with_options(options)), batches, batch)
 
 
+def real_photos(folder: str, minimum_side: int = 300) -> list[bytes]:
+    """The JPEG photographs in `folder` whose longer side is at least `minimum_side`."""
+    import simplejpeg
+
+    photos = []
+    for path in sorted(Path(folder).glob("*.jpg")):
+        data = path.read_bytes()
+        try:
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        except ValueError:
+            continue
+        if max(height, width) >= minimum_side:
+            photos.append(data)
+    return photos
+
+
+def pin_to_cores(count: int) -> None:
+    """Confine every thread of this process (and the processes it starts) to the first
+    `count` cores, so that "per core" holds: tf.data's batching and prefetch threads and
+    the main thread share the decoding workers' cores instead of using idle ones."""
+    cores = set(CORES[:count])
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that has just ended
+            os.sched_setaffinity(int(task.name), cores)
+
+
+def processor() -> str:
+    """The processor model, as /proc/cpuinfo names it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown processor"
+
+
+def describe(name: str, images: list[bytes]) -> str:
+    import simplejpeg
+
+    sides = [simplejpeg.decode_jpeg_header(b)[:2] for b in images]
+    long_sides = sorted(max(s) for s in sides)
+    return (
+        f"{name}: {len(images)} JPEGs, mean {np.mean([len(b) for b in images]) / 1024:.0f} KiB, "
+        f"longer side {long_sides[0]}-{long_sides[-1]} px (median {long_sides[len(sides) // 2]})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batches", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--transform", nargs="+", default=["train", "eval"])
-    args = parser.parse_args()
-    images = synth_jpegs(args.images)
-    print(
-        f"{len(images)} JPEGs, mean {np.mean([len(b) for b in images]) / 1024:.0f} KiB, "
-        f"{os.cpu_count()} cores; batch {args.batch}, {args.batches} batches timed, "
-        f"median of {args.repeats} alternating repeats"
+    parser.add_argument(
+        "--photos",
+        default=PHOTOS,
+        help="a folder of real JPEG photographs, also measured where it exists (default: "
+        "the sample data of Debian's opencv-doc)",
     )
-    print(f"{'transform':>9} {'workers':>7} {'ours img/s':>11} {'tf.data img/s':>14} {'ratio':>6}")
-    pairs = {"train": (ours, tf_data), "eval": (ours_eval, tf_data_eval)}
-    for transform in args.transform:
-        mine, theirs = pairs[transform]
-        for workers in args.workers:
-            a, b = [], []
-            for _ in range(args.repeats):
-                a.append(mine(images, workers, args.batch, args.batches))
-                b.append(theirs(images, workers, args.batch, args.batches))
-            ma, mb = statistics.median(a), statistics.median(b)
-            print(
-                f"{transform:>9} {workers:>7} {ma:>11.1f} {mb:>14.1f} {ma / mb:>6.2f}", flush=True
-            )
+    args = parser.parse_args()
+    import cv2
+    import simplejpeg
+    import tensorflow as tf
+
+    sets = {"synthetic photos": synth_jpegs(args.images)}
+    if args.photos and Path(args.photos).is_dir():
+        sets["real photos"] = real_photos(args.photos)
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} | {processor()}, "
+        f"{len(CORES)} cores | TurboJPEG crop decode {jpeg.crop_decoder_available()}, "
+        f"simplejpeg {simplejpeg.__version__}, opencv {cv2.__version__}, "
+        f"tensorflow {tf.__version__}, grain {grain.__version__}"
+    )
+    print(
+        f"batch {args.batch}, {args.batches} batches timed, median of {args.repeats} "
+        "alternating repeats; the process pinned to `workers` cores; ratios ours / tf.data"
+    )
+    for name, images in sets.items():
+        print(describe(name, images))
+    print(
+        f"{'images':>16} {'transform':>9} {'workers':>7} {'ours':>8} {'tf.data u8':>10} "
+        f"{'ratio':>6} {'tf.data f32':>11} {'ratio':>6} {'ours procs':>10} {'ratio':>6}"
+    )
+    runs = {
+        "train": (ours, tf_data, tf_flax, ours_processes),
+        "eval": (ours_eval, tf_data_eval, tf_flax_eval, ours_eval_processes),
+    }
+    for name, images in sets.items():
+        for transform in args.transform:
+            for workers in args.workers:
+                pin_to_cores(workers)
+                rates: list[list[float]] = [[], [], [], []]
+                for _ in range(args.repeats):
+                    for fn, out in zip(runs[transform], rates, strict=True):
+                        out.append(fn(images, workers, args.batch, args.batches))
+                a, b, c, d = (statistics.median(r) for r in rates)
+                print(
+                    f"{name:>16} {transform:>9} {workers:>7} {a:>8.1f} {b:>10.1f} "
+                    f"{a / b:>6.2f} {c:>11.1f} {a / c:>6.2f} {d:>10.1f} {d / b:>6.2f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -217,11 +217,11 @@ def test_unreadable_checkpoint_falls_back_to_the_previous(tmp_path, fashion_mnis
 
 
 @pytest.mark.slow
-def test_dct_scaled_eval_decode_leaves_the_error_unchanged(straight, fashion_mnist_dir):
-    """Rule 13's eval transform decodes a JPEG at least twice the crop with libjpeg's
-    DCT-domain scaling. The trained smoke model, on its 500 eval images as 112 x 112
-    JPEGs (shorter side 16 -> centre 14, decoded at 1/4 scale), errs on the same images
-    as with full-resolution decodes, within noise."""
+def test_eval_transform_leaves_the_error_of_an_antialiased_decode(straight, fashion_mnist_dir):
+    """Rule 13's eval transform (libjpeg's DCT-scaled decode of the window, a bilinear
+    warp without antialiasing) against the reference (PIL's full decode, antialiased
+    bilinear resize): the trained smoke model, on its 500 eval images as 112 x 112 JPEGs
+    (shorter side 16 -> centre 14, decoded at 1/4 scale), errs as often, within noise."""
     config = smoke.get_config()
     state = final_state(straight)
     model = builder.model_from_config(config)
@@ -242,20 +242,22 @@ def test_dct_scaled_eval_decode_leaves_the_error_unchanged(straight, fashion_mni
         return model.apply(variables, normalize(images), train=False).argmax(-1)
 
     images, errors = {}, {}
-    for dct in (True, False):
-        images[dct] = np.stack(
-            [transforms.eval_transform_large(e, 14, dct_scaling=dct)[..., :1] for e in encoded]
+    for reference in (False, True):
+        images[reference] = np.stack(
+            [transforms.eval_transform_large(e, 14, reference)[..., :1] for e in encoded]
         )
-        errors[dct] = float(np.mean(np.asarray(predict(images[dct])) != labels))
+        errors[reference] = float(np.mean(np.asarray(predict(images[reference])) != labels))
     pixels = np.abs(images[True].astype(float) - images[False]).mean()
-    print(f"eval top-1 error: DCT-scaled {errors[True]:.3f}, full decode {errors[False]:.3f}")
+    print(f"eval top-1 error: ours {errors[False]:.3f}, reference {errors[True]:.3f}")
     print(f"pixels: mean absolute difference {pixels:.2f} grey levels")
-    assert errors[False] < 0.8  # the model has learnt something on these images
+    assert errors[True] < 0.8  # the model has learnt something on these images
     assert abs(errors[True] - errors[False]) <= 0.01  # 5 of 500 images
-    assert pixels < DCT_PIXEL_TOLERANCE
+    assert pixels < EVAL_PIXEL_TOLERANCE
 
 
-DCT_PIXEL_TOLERANCE = 2.0
+# Measured 5.47 grey levels (2026-12-07): 98 px -> 14, decoded at 1/4, then bilinear at
+# 1.75x on the sharp edges of upscaled Fashion-MNIST, against an antialiased resize.
+EVAL_PIXEL_TOLERANCE = 7.0
 
 
 @pytest.mark.slow

@@ -166,8 +166,9 @@ class TrainLoader:
     Batches are dicts of numpy arrays: image [kn/P, H, W, C] uint8 (rule 13's pixels
     before normalisation, which the step does on the device; float32 with colour
     augmentation; small datasets at their native size), label [kn/P] int32
-    and index [kn/P] (the record ids, for tests and debugging). `workers` decoding
-    processes (grain), each building whole batches; `prefetch` batches are kept ready.
+    and index [kn/P] (the record ids, for tests and debugging). `threads` decoding
+    threads, in each of `workers` grain processes (0: in this process), each thread
+    building whole batches; `prefetch` batches are kept ready.
     """
 
     def __init__(
@@ -287,8 +288,8 @@ def eval_batches(
 
 
 def _iterate(batches: grain.MapDataset, threads: int, workers: int, prefetch: int) -> Iterator:
-    """Threads build batches concurrently (PIL releases the GIL); `workers` > 0 adds grain
-    worker processes. Order is always the dataset's."""
+    """`threads` build batches concurrently (libjpeg-turbo and OpenCV release the GIL);
+    `workers` > 0: in each of that many grain processes. Order is always the dataset's."""
     if workers > 0 and not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()  # grain's workers read absl flags; outside an absl app
     it = batches.to_iter_dataset(

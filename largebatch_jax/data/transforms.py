@@ -1,4 +1,5 @@
-"""Paper rule 13: train and eval transforms, on the host in numpy / PIL.
+"""Paper rule 13: train and eval transforms, on the host: JPEGs decoded by libjpeg-turbo
+(`jpeg`: only the window, DCT-scaled), crops resized by OpenCV, anything else by PIL.
 
 They hand out uint8 pixels (4x fewer bytes to copy between processes and to the devices
 than float32); the per-channel mean/std normalisation of rule 13 runs inside the jitted
@@ -9,11 +10,16 @@ seed, the epoch and the image, never on how many processes or decoding workers t
 
 from __future__ import annotations
 
+import functools
 import io
 import math
+from collections.abc import Callable
 
+import cv2
 import numpy as np
 from PIL import Image
+
+from largebatch_jax.data import jpeg
 
 # fb.resnet.torch's lighting noise (PCA of ImageNet RGB, pixel values in [0, 1]).
 PCA_EIGVAL = np.array([0.2175, 0.0188, 0.0045])
@@ -60,6 +66,10 @@ def sample_crop_window(
 # What PIL raises for a file that is not a decodable image (truncated, another format
 # under a .jpg name, a text file): the loader turns them into one line naming the record.
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
+# libjpeg's DCT-domain downscaling: only these reductions are faster than a full decode
+# (simplejpeg, the benchmark's 500x375 JPEGs, one core, 2026-12-06: 1/1 1207 images/s,
+# 7/8 702, 3/4 about 845, 1/2 1384, 1/4 1495, 1/8 1680).
+DCT_REDUCTIONS = (8, 4, 2)
 
 
 def _open(encoded: bytes) -> Image.Image:
@@ -77,45 +87,119 @@ def decode_error(encoded: bytes) -> str | None:
     return None
 
 
+def _pil_rgb(encoded: bytes) -> Image.Image:
+    image = _open(encoded)
+    return image if image.mode == "RGB" else image.convert("RGB")  # grayscale, CMYK
+
+
+def _reduction(window: tuple, size: int) -> int:
+    """The largest power of 2, up to 8, that leaves the window at least `size` a side."""
+    side = min(window[2:]) // size
+    return next((r for r in DCT_REDUCTIONS if side >= r), 1)
+
+
+def _box_factor(h: float, w: float, size: int) -> int:
+    """k for `_resample`'s k x k box average: 1 while the warp downscales the shorter
+    side by less than 2; else the factor that brings it under 2 (only a window over 16x
+    the output size, beyond libjpeg's 1/8, needs one). The same k on both axes: OpenCV's
+    k x k box average is 20x faster than one with two different factors."""
+    return int(min(h, w) // size) if min(h, w) >= 2 * size else 1
+
+
+def _reach(start: float, length: float, limit: int, k: int) -> tuple[int, int]:
+    """The pixels [lo, hi) that `_resample` of [start, start + length) can read (the warp's
+    two neighbours, one more for fixed-point rounding, each k pixels wide after a k x k
+    box average, one more block for its alignment), within [0, limit)."""
+    margin = 4 * k
+    return max(math.floor(start) - margin, 0), min(math.ceil(start + length) + margin, limit)
+
+
+def _decode(encoded: bytes, window_fn: Callable, size: int) -> tuple[np.ndarray, tuple]:
+    """The pixels around the window `window_fn(h, w)` picks, decoded at 1/r of the
+    image's size (`_reduction`), and the window in their coordinates (fractional).
+    A JPEG (YCbCr, grayscale) goes through libjpeg-turbo, which scales in the DCT domain
+    and decodes only the rows and columns the resample reads (`jpeg.decode_region`);
+    anything else (PNG, CMYK, a JPEG libjpeg-turbo refuses) is decoded whole by PIL,
+    whose errors then name what is wrong, and box-averaged r x r."""
+    head = jpeg.header(encoded)
+    image = None
+    if head is None or head.colorspace not in ("YCbCr", "Gray", "RGB"):
+        image = _pil_rgb(encoded)
+        full_w, full_h = image.size
+    else:
+        full_h, full_w = head.height, head.width
+    window = window_fn(full_h, full_w)  # once: it draws from the image's random stream
+    r = _reduction(window, size)
+    top, left, h, w = (v / r for v in window)
+    if image is None:
+        height, width = jpeg.scaled_size(head, r)
+        k = _box_factor(h, w, size)
+        rows, cols = _reach(top, h, height, k), _reach(left, w, width, k)
+        pixels = jpeg.decode_region(encoded, head, r, rows, cols)
+        if pixels is not None:
+            return pixels, (top - rows[0], left - cols[0], h, w)
+        image = _pil_rgb(encoded)  # libjpeg-turbo's error: PIL decodes it, or says why not
+    return np.asarray(image.reduce(r) if r > 1 else image), (top, left, h, w)
+
+
+def _resample(pixels: np.ndarray, box: tuple, size: int, flip: bool) -> np.ndarray:
+    """The box (top, left, h, w, in `pixels`' coordinates, fractional) resized to size x
+    size by bilinear interpolation without antialiasing (OpenCV's INTER_LINEAR, as the
+    paper's Caffe2 pipeline and tf.data resize), mirrored if `flip`: one affine warp
+    sampling at pixel centres, edges replicated; where it would downscale by 2 or more,
+    after a k x k box average (`_box_factor`) that leaves the shorter side's under 2."""
+    top, left, h, w = box
+    k = _box_factor(h, w, size)
+    if k > 1:
+        rows, cols = pixels.shape[0] // k, pixels.shape[1] // k
+        pixels = _cv2().resize(
+            pixels[: rows * k, : cols * k], (cols, rows), interpolation=cv2.INTER_AREA
+        )
+        top, left, h, w = top / k, left / k, h / k, w / k
+    sx, sy = w / size, h / size
+    row = [-sx, 0.0, left + w - 0.5 * sx - 0.5] if flip else [sx, 0.0, left + 0.5 * sx - 0.5]
+    matrix = np.array([row, [0.0, sy, top + 0.5 * sy - 0.5]])
+    out = _cv2().warpAffine(
+        pixels,
+        matrix,
+        (size, size),
+        flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+        borderMode=cv2.BORDER_REPLICATE,
+    )
+    return out[..., None] if out.ndim == 2 else out
+
+
+@functools.cache
+def _cv2():
+    """OpenCV, single-threaded: the loader parallelises over images."""
+    cv2.setNumThreads(1)
+    return cv2
+
+
 def decode_crop_resize(
     encoded: bytes | np.ndarray,
-    window_fn,
+    window_fn: Callable[[int, int], tuple[int, int, int, int]],
     size: int,
-    flip=None,
-    dct_scaling: bool = True,
+    flip: Callable[[], bool] | None = None,
+    reference: bool = False,
 ) -> np.ndarray:
-    """Decode an image, crop the window `window_fn(h, w)` picks, resize to size x size.
-
-    For JPEGs, PIL's draft mode decodes at the largest power-of-2 reduction (libjpeg's
-    DCT-domain scaling) that still leaves the crop at least `size` pixels a side, so a
-    crop of a large photo never pays for a full-resolution decode; `dct_scaling=False`
-    always decodes at full size (the reference the tests compare with).
-    """
-    if isinstance(encoded, np.ndarray):
-        image = Image.fromarray(encoded.squeeze(-1) if encoded.shape[-1] == 1 else encoded)
-        full_w, full_h = image.size
-        top, left, h, w = window_fn(full_h, full_w)
-        sx = sy = 1.0
+    """Decode an image, crop the window `window_fn(h, w)` picks, resize to size x size,
+    mirrored where `flip()` says: libjpeg-turbo's decode (DCT-scaled where the window
+    is at least twice `size`, `_decode`) and one bilinear warp (`_resample`).
+    `reference=True`: PIL's full-resolution decode and its antialiased bilinear resize,
+    the reference the fidelity tests and measurements compare with."""
+    if isinstance(encoded, np.ndarray):  # decoded pixels (tfds image features)
+        pixels, box = encoded, window_fn(*encoded.shape[:2])
+    elif reference:
+        image = _pil_rgb(encoded)
+        top, left, h, w = window_fn(image.size[1], image.size[0])
+        out = image.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
+        if flip is not None and flip():
+            out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return np.asarray(out)
     else:
-        image = _open(encoded)
-        full_w, full_h = image.size
-        top, left, h, w = window_fn(full_h, full_w)
-        reduce = min(h, w) // size
-        # (draft() at scale 1 would only cost time)
-        if dct_scaling and image.format == "JPEG" and reduce >= 2:
-            image.draft("RGB", (max(1, full_w // reduce), max(1, full_h // reduce)))
-        # libjpeg scales by exactly 1/r (r a power of 2) and rounds the size up (1500 / 8
-        # -> 188 pixels, the last one a part block): the box scales by 1/r, not size/full.
-        r = 2 ** round(math.log2(full_w / image.size[0]))
-        sx = sy = 1.0 / r
-    if isinstance(encoded, bytes | bytearray) and image.mode != "RGB":
-        image = image.convert("RGB")  # ImageNet has grayscale (and CMYK) JPEGs
-    box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
-    out = image.resize((size, size), Image.BILINEAR, box=box)
-    if flip is not None and flip():  # in PIL: a numpy flip + copy costs 10x more
-        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    array = np.asarray(out)
-    return array[..., None] if array.ndim == 2 else array
+        pixels, box = _decode(encoded, window_fn, size)
+    return _resample(pixels, box, size, flip is not None and flip())
 
 
 def color_jitter(rng: np.random.Generator, image: np.ndarray, strength: float = 0.4) -> np.ndarray:
@@ -173,11 +257,12 @@ def center_window(height: int, width: int, size: int) -> tuple[int, int, int, in
 
 
 def eval_transform_large(
-    encoded: bytes | np.ndarray, size: int, dct_scaling: bool = True
+    encoded: bytes | np.ndarray, size: int, reference: bool = False
 ) -> np.ndarray:
-    """Rule 13 evaluation: shorter side to 256 (for size 224), centre crop 224 (uint8)."""
+    """Rule 13 evaluation: shorter side to 256 (for size 224), centre crop 224 (uint8);
+    `reference`: through `decode_crop_resize`'s reference path."""
     window = lambda h, w: center_window(h, w, size)  # noqa: E731
-    return decode_crop_resize(encoded, window, size, dct_scaling=dct_scaling)
+    return decode_crop_resize(encoded, window, size, reference=reference)
 
 
 def small_image_transform(
