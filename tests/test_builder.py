@@ -1,5 +1,5 @@
-"""One wiring for every caller: the step module imports no data or logging stack, and the
-benchmark compiles exactly the program the trainer (main.py) runs."""
+"""One wiring for every caller: the step module imports no data, decoding or logging
+stack, and the benchmark compiles exactly the program the trainer (main.py) runs."""
 
 import hashlib
 import importlib.util
@@ -16,7 +16,7 @@ from largebatch_jax.builder import build_training
 from largebatch_jax.data import loader
 from tests.runs import ROOT, env
 
-BLOCKED = ("clu", "tensorflow", "tensorflow_datasets", "grain", "orbax")
+BLOCKED = ("clu", "tensorflow", "tensorflow_datasets", "grain", "orbax", "cv2", "simplejpeg")
 
 LEAN_PROGRAM = f"""
 import importlib.abc, sys

@@ -24,7 +24,6 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import simplejpeg
 
 # Extra pixels decoded on each side of a region (clamped to the image) and then cut off:
 # one keeps the upsampling edge out (measured), the second is headroom.
@@ -89,6 +88,15 @@ def crop_decoder_available() -> bool:
     return _library() is not None
 
 
+@functools.cache
+def _simplejpeg():
+    """Imported on first use: what imports the data modules without decoding (the
+    compile tools) needs no decoder."""
+    import simplejpeg
+
+    return simplejpeg
+
+
 _THREAD = threading.local()
 
 
@@ -107,7 +115,7 @@ def header(encoded: bytes) -> Header | None:
     lib = _library()
     if lib is None:
         try:
-            height, width, colorspace, _ = simplejpeg.decode_jpeg_header(encoded)
+            height, width, colorspace, _ = _simplejpeg().decode_jpeg_header(encoded)
         except ValueError:
             return None
         return Header(height, width, colorspace, None)
@@ -146,7 +154,7 @@ def decode_region(
     lib = _library() if crop_decode else None
     if lib is None or head.imcu_width is None:
         try:
-            pixels = simplejpeg.decode_jpeg(encoded, "RGB", min_height=height, min_width=width)
+            pixels = _simplejpeg().decode_jpeg(encoded, "RGB", min_height=height, min_width=width)
         except ValueError:
             return None
         return pixels[rows[0] : rows[1], cols[0] : cols[1]]

@@ -15,7 +15,6 @@ import io
 import math
 from collections.abc import Callable
 
-import cv2
 import numpy as np
 from PIL import Image
 
@@ -149,17 +148,18 @@ def _resample(pixels: np.ndarray, box: tuple, size: int, flip: bool) -> np.ndarr
     sampling at pixel centres, edges replicated; where it would downscale by 2 or more,
     after a k x k box average (`_box_factor`) that leaves the shorter side's under 2."""
     top, left, h, w = box
+    cv2 = _cv2()
     k = _box_factor(h, w, size)
     if k > 1:
         rows, cols = pixels.shape[0] // k, pixels.shape[1] // k
-        pixels = _cv2().resize(
+        pixels = cv2.resize(
             pixels[: rows * k, : cols * k], (cols, rows), interpolation=cv2.INTER_AREA
         )
         top, left, h, w = top / k, left / k, h / k, w / k
     sx, sy = w / size, h / size
     row = [-sx, 0.0, left + w - 0.5 * sx - 0.5] if flip else [sx, 0.0, left + 0.5 * sx - 0.5]
     matrix = np.array([row, [0.0, sy, top + 0.5 * sy - 0.5]])
-    out = _cv2().warpAffine(
+    out = cv2.warpAffine(
         pixels,
         matrix,
         (size, size),
@@ -171,7 +171,11 @@ def _resample(pixels: np.ndarray, box: tuple, size: int, flip: bool) -> np.ndarr
 
 @functools.cache
 def _cv2():
-    """OpenCV, single-threaded: the loader parallelises over images."""
+    """OpenCV, imported on first use (what imports the data modules without decoding,
+    such as the compile tools, needs no OpenCV), single-threaded: the loader
+    parallelises over images."""
+    import cv2
+
     cv2.setNumThreads(1)
     return cv2
 
