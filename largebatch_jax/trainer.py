@@ -135,9 +135,42 @@ def _lock_workdir(work: Path) -> wd.WorkdirLock | None:
         held = multihost_utils.broadcast_one_to_all(np.int32(lock is not None or not error))
         if not held and not error:
             error = f"--workdir={work} is in use by another run (process 0 found its lock)."
+        if held:
+            error = error or _check_workdir_shared(work, lock)
     if error:
+        if lock is not None:
+            lock.release()
         raise wd.WorkdirError(error)
     return lock
+
+
+def _token_word(token: str | None) -> np.ndarray:
+    """A lock's token (16 hex digits) as two int32 for a collective (JAX's default
+    integers are 32-bit); zeros for none."""
+    try:
+        return np.frombuffer(bytes.fromhex(str(token)[:16].rjust(16, "0")), np.int32).copy()
+    except ValueError:
+        return np.zeros(2, np.int32)
+
+
+def _check_workdir_shared(work: Path, lock: wd.WorkdirLock | None) -> str:
+    """Every process must see the one workdir: each reads the token of the lock that
+    process 0 has just written and all compare it with process 0's. A folder on each
+    host's own disk would otherwise leave process 0 waiting for the others' part of the
+    first checkpoint forever. Returns the error, or "" when the workdir is shared."""
+    expected = multihost_utils.broadcast_one_to_all(_token_word(lock.token() if lock else None))
+    seen = _token_word(wd.read_lock_token(work))
+    ok = multihost_utils.process_allgather(np.int32(np.array_equal(seen, expected)))
+    blind = [i for i, good in enumerate(np.ravel(ok)) if not good]
+    if not blind:
+        return ""
+    return (
+        f"--workdir={work} is not one folder that every process sees: process"
+        f"{'es' if len(blind) > 1 else ''} {', '.join(map(str, blind))} of "
+        f"{jax.process_count()} cannot see the lock process 0 wrote there: give every "
+        "process the same workdir on a file system they share (NFS, Lustre, GPFS), "
+        "not a folder on each host's disk."
+    )
 
 
 def _check_record(config: Any, work: Path, checkpoints: list[int], steps_per_epoch: int) -> None:

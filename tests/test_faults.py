@@ -385,6 +385,36 @@ def test_lock_staleness(tmp_path):
     other.release()
 
 
+def test_a_lock_naming_a_reused_pid_or_torn_is_stale(tmp_path):
+    """pids are reused (in containers after every restart): a lock whose pid now belongs
+    to another, innocent process (same pid, another start time) is stale, and so is an
+    empty or torn lock a few seconds old; the lock of the live process it names is not."""
+    innocent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = wd.process_start_time(innocent.pid)
+        assert started is not None
+        lock = wd.WorkdirLock(tmp_path)
+        holder = {"pid": innocent.pid, "host": lock.me["host"], "since": "x"}
+        lock.path.write_text(json.dumps({**holder, "started": started}))
+        with pytest.raises(wd.WorkdirError, match=f"pid {innocent.pid} on"):
+            lock.acquire()  # its own process is alive: a live run
+        lock.path.write_text(json.dumps({**holder, "started": started - 1}))
+        assert f"stale lock {lock.path} of pid {innocent.pid}" in lock.acquire()
+        lock.release()
+    finally:
+        innocent.kill()
+        innocent.wait()
+    for torn in ("", '{"pid": 12'):
+        lock = wd.WorkdirLock(tmp_path)
+        lock.path.write_text(torn)
+        with pytest.raises(wd.WorkdirError, match="being locked by another run this instant"):
+            lock.acquire()  # being written this instant
+        old = time.time() - 2 * wd.WorkdirLock.TORN_SECONDS
+        os.utime(lock.path, (old, old))
+        assert "stale lock" in lock.acquire()
+        lock.release()
+
+
 def test_a_save_is_not_started_without_room_for_it(tmp_path, monkeypatch):
     """The full disk found before a save (one ENOSPC OSError, nothing written), not
     half-way through it in orbax's threads."""

@@ -246,12 +246,19 @@ def test_a_dead_process_then_a_sigterm_and_the_run_still_ends_bit_identical(
 
 
 @pytest.mark.slow
-def test_processes_with_different_configs_stop_with_exit_2(tmp_path, fashion_mnist_dir):
+@pytest.mark.parametrize("differ", ["config", "workdir"])
+def test_processes_that_disagree_stop_with_exit_2(tmp_path, fashion_mnist_dir, differ):
+    """Two processes of one run with different configs, or each with a workdir of its
+    own (a local folder on each host: process 0 would wait forever in the first save):
+    both stop at start-up with exit 2 and one line naming the problem, nothing saved."""
     coordinator = f"127.0.0.1:{launch.free_port()}"
+    workdirs = [tmp_path / "a", tmp_path / ("b" if differ == "workdir" else "a")]
     procs = [
         subprocess.Popen(
             launch.process_command(
-                command(tmp_path, fashion_mnist_dir, f"--config.seed={k}")[1:],
+                command(
+                    workdirs[k], fashion_mnist_dir, f"--config.seed={k * (differ == 'config')}"
+                )[1:],
                 coordinator,
                 2,
                 k,
@@ -265,11 +272,17 @@ def test_processes_with_different_configs_stop_with_exit_2(tmp_path, fashion_mni
         for k in (0, 1)
     ]
     outs = [p.communicate(timeout=180) for p in procs]
+    expected = {
+        "config": "process 1 has config.seed=1 but process 0 has 0",
+        "workdir": "is not one folder that every process sees: process 1 of 2 cannot see",
+    }[differ]
     for p, (_, stderr) in zip(procs, outs, strict=True):
         assert p.returncode == 2, stderr[-3000:]
         (line,) = [x for x in stderr.splitlines() if x.startswith("error:")]
-        assert "process 1 has config.seed=1 but process 0 has 0" in line
-    assert not checkpoint_steps(tmp_path)
+        assert expected in line, line
+    for workdir in workdirs:
+        assert not checkpoint_steps(workdir)
+        assert not (workdir / "run.lock").exists()
 
 
 # ------------------------------------------------------------------ the launcher alone
