@@ -11,8 +11,8 @@ type of the field's default (tuples as `(a;b)` or `a;b`). A run is named by its 
 that differ from the config's defaults, so two sweeps asking for the same run share it
 (warmup settings do not count at kn <= base_batch_size, where rule 2 applies none).
 Runs go to RUNS/<config>/<run name>/ and are skipped once they have a result.json; an
-interrupted run resumes from its checkpoint, a failed one (e.g. diverged) is recorded in
-failed.json and not retried unless --retry_failed. Rerunning the same command therefore
+interrupted or preempted run resumes from its checkpoint, a failed one (e.g. diverged) is
+recorded in failed.json and not retried unless --retry_failed. Rerunning the same command therefore
 continues a sweep. Writes OUT/<name>.csv (one row per run), OUT/<name>.md (the paper's
 metric, mean +- std over seeds, per grid point) and, with --plot or --curves, OUT/<name>.png.
 """
@@ -168,7 +168,7 @@ def check_devices(workdir: Path, devices: int | None, record_it: bool = True) ->
 
 
 def run_one(config_path: str, workdir: Path, overrides: dict[str, Any], devices: int | None) -> str:
-    """Train one run (or resume it); returns 'done', 'diverged' or 'failed'."""
+    """Train one run (or resume it); returns 'done', 'preempted', 'diverged' or 'failed'."""
     workdir.mkdir(parents=True, exist_ok=True)
     devices = overrides.get("devices", devices)
     overrides = {k: v for k, v in overrides.items() if k != "devices"}
@@ -192,6 +192,8 @@ def run_one(config_path: str, workdir: Path, overrides: dict[str, Any], devices:
         code = subprocess.call(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if code == 0 and (workdir / "result.json").exists():
         return "done"
+    if code == 0:  # a preemption notice (SIGTERM): checkpoint saved, the next sweep resumes
+        return "preempted"
     text = (workdir / "log.txt").read_text()
     status = "diverged" if "non-finite loss" in text else "failed"
     (workdir / "failed.json").write_text(json.dumps({"status": status, "exit_code": code}))
@@ -511,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    preempted: list[str] = []
     for i, run in enumerate(runs, 1):
         workdir = Path(run["workdir"])
         if (workdir / "result.json").exists():
@@ -524,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
             started = time.time()
             print(f"[{i}/{len(runs)}] {workdir.name}: training ...", flush=True)
             state = run_one(args.config, workdir, run["overrides"], devices)
+            if state == "preempted":
+                preempted.append(workdir.name)
+                state += " (its checkpoint is saved: the same command resumes it)"
             state += f" in {time.time() - started:.0f} s"
         print(f"[{i}/{len(runs)}] {workdir.name}: {state}", flush=True)
     if args.dry_run:
@@ -544,8 +550,9 @@ def main(argv: list[str] | None = None) -> int:
             defaults.base_batch_size,
         )
         print(f"figure: {path}")
-    # A diverged run is a result (Table 1's "no warmup" can diverge); a crash is not.
-    return 1 if any(r["status"] == "failed" for r in rows) else 0
+    # A diverged run is a result (Table 1's "no warmup" can diverge); a crash is not, nor
+    # is a run still to finish (preempted: the same command resumes it).
+    return 1 if preempted or any(r["status"] == "failed" for r in rows) else 0
 
 
 if __name__ == "__main__":

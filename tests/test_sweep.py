@@ -3,8 +3,12 @@ paper's metric into the CSV / Markdown tables and draws the figure."""
 
 import csv
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -250,3 +254,35 @@ def test_tables_show_fractions_of_training_short_and_the_csv_keeps_them_exact(tm
     with (tmp_path / "t.csv").open() as f:
         assert float(next(csv.DictReader(f))["warmup_epochs"]) == 5 / 90
     assert sweep_lib.shown("none") == "none" and sweep_lib.shown(1024) == "1024"
+
+
+@pytest.mark.slow
+def test_a_preempted_run_is_resumed_not_failed(tmp_path, fashion_mnist_dir):
+    """The cluster SIGTERMs a run of the sweep: the run saves its checkpoint and exits 0;
+    the sweep calls it preempted (exit 1, no failed.json), and the same command resumes
+    it to the end."""
+    one = [a for a in GRID if not a.startswith(("--grid", "--plot", "--curves"))]
+    one += ["--set=train_subset=2048", "--set=checkpoint_every_steps=4"]
+    args = [sys.executable, "experiments/sweep.py", *one]
+    args += [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'results'}"]
+    sweep_env = {**env(), "TFDS_DATA_DIR": fashion_mnist_dir}
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=sweep_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    runs = tmp_path / "runs" / "smoke"
+    deadline = time.time() + 240
+    while time.time() < deadline and not list(runs.glob("*/checkpoints/4")):
+        time.sleep(0.1)
+    (child,) = [
+        int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    ]
+    os.kill(child, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 1, stdout[-2000:] + stderr[-2000:]
+    assert "preempted (its checkpoint is saved: the same command resumes it)" in stdout
+    (workdir,) = runs.iterdir()
+    assert not (workdir / "failed.json").exists() and not (workdir / "result.json").exists()
+    again = sweep(tmp_path, fashion_mnist_dir, *one)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "training ..." in again.stdout and (workdir / "result.json").exists()
+    assert "resuming at step" in (workdir / "log.txt").read_text()
