@@ -3,6 +3,7 @@ and the fix, raised as ConfigError (main turns it into exit code 2)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from largebatch_jax import parallel, schedules
@@ -23,9 +24,12 @@ def _non_negative(v):
     return v >= 0
 
 
+# Far beyond any run (the paper's is 90); keeps step counts within 32-bit integers.
+MAX_EPOCHS = 10_000
+
 # field: (types, check, what the check means)
 RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
-    "seed": ((int,), _non_negative, ">= 0"),
+    "seed": ((int,), lambda v: 0 <= v < 2**31, "in [0, 2**31) (JAX's 32-bit seeds)"),
     "model": ((str,), lambda v: v in MODEL_NAMES, f"one of {MODEL_NAMES}"),
     "num_classes": ((int,), _positive, "> 0"),
     "image_size": ((int,), _positive, "> 0"),
@@ -62,7 +66,7 @@ RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "warmup_epochs": ((float, int), _non_negative, ">= 0"),
     "lr_decay": ((str,), lambda v: v in schedules.DECAY_KINDS, f"one of {schedules.DECAY_KINDS}"),
     "decay_factor": ((float,), lambda v: 0 < v <= 1, "in (0, 1]"),
-    "num_epochs": ((float, int), _positive, "> 0"),
+    "num_epochs": ((float, int), lambda v: 0 < v <= MAX_EPOCHS, f"in (0, {MAX_EPOCHS}]"),
     "optimizer": ((str,), lambda v: v in OPTIMIZERS, f"one of {OPTIMIZERS}"),
     "momentum": ((float, int), lambda v: 0 <= v < 1, "in [0, 1)"),
     "nesterov": ((bool,), None, ""),
@@ -131,8 +135,17 @@ def validate_fields(config: Any) -> None:
         if isinstance(value, bool) != (bool in types) or not isinstance(value, types):
             names = " or ".join(t.__name__ for t in types)
             raise ConfigError(f"config.{field}={value!r} must be a {names}.")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config.{field}={value!r} must be a finite number.")
         if check is not None and not check(value):
             raise ConfigError(f"config.{field}={value!r} must be {meaning}.")
+    decays = config.get("decay_epochs", ())
+    if not isinstance(decays, tuple | list) or not all(
+        isinstance(e, float | int) and not isinstance(e, bool) and 0 <= e < math.inf for e in decays
+    ):
+        raise ConfigError(
+            f"config.decay_epochs={decays!r} must be a tuple of epochs, e.g. (30, 60, 80)."
+        )
     if any(e > config.num_epochs for e in config.decay_epochs):
         raise ConfigError(
             f"config.decay_epochs={tuple(config.decay_epochs)} go past "

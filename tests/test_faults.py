@@ -524,13 +524,21 @@ BAD_FILES = {
     "missing": (["--config=configs/nope.py"], "no such config file 'configs/nope.py'"),
     "syntax": (None, "syntax error in"),
     "value": (["--config=configs/smoke.py", "--config.batch_size=abc"], "--config.batch_size=abc"),
+    "infinite": (
+        ["--config=configs/smoke.py", "--config.base_lr=inf"],
+        "config.base_lr=inf must be a finite number.",
+    ),
+    "huge": (
+        ["--config=configs/smoke.py", "--config.num_epochs=1e300", "--config.seed=99999999999"],
+        "config.seed=99999999999 must be in [0, 2**31)",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_FILES))
 def test_bad_config_files_and_fields_are_one_line(tmp_path, case):
-    """Defect 8: a typo in a field, a missing file, a syntax error, a value of the wrong
-    type: one line, exit 2, before anything is built."""
+    """A typo in a field, a missing file, a syntax error, a value of the wrong type, an
+    infinite rate, a seed past 32 bits: one line, exit 2, before anything is built."""
     argv, words = BAD_FILES[case]
     if argv is None:
         bad = tmp_path / "broken.py"
