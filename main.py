@@ -78,8 +78,8 @@ def main(argv):
     )
     if warning and jax.process_index() == 0:
         print(warning, file=sys.stderr, flush=True)
-    workdir = wd.resolve(_WORKDIR.value)
     try:
+        workdir = wd.resolve(_WORKDIR.value)
         result = trainer.train_and_evaluate(config, workdir)
     except (ConfigError, DatasetNotPreparedError, UnreadableImageError, wd.WorkdirError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -33,6 +33,10 @@ class WorkdirError(Exception):
 
 def resolve(workdir: str | Path) -> Path:
     """`--workdir` as an absolute path, `~` expanded (a shell leaves `--workdir=~/x` alone)."""
+    if not str(workdir).strip():  # Path("") is the current directory
+        raise WorkdirError(
+            "--workdir is empty: name the run's folder, e.g. --workdir=workdirs/run1."
+        )
     return Path(os.path.expanduser(str(workdir))).absolute()
 
 
@@ -42,6 +46,12 @@ def check_writable(workdir: Path) -> None:
         probe = workdir / f".write_test_{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
+        for name in ("checkpoints",):
+            if (workdir / name).exists() and not (workdir / name).is_dir():
+                raise WorkdirError(
+                    f"{workdir / name} is a file, where the run keeps its {name}: move it "
+                    "away or choose another workdir."
+                )
     except OSError as e:
         raise WorkdirError(
             f"--workdir={workdir} is not writable ({e.strerror}): choose another directory."
@@ -268,7 +278,7 @@ def read_record(workdir: Path) -> dict | None:
         return None
     try:
         return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise WorkdirError(
             f"{path} is not readable ({e}): restore it from the run's result.json 'config', "
             "or use a new workdir."

@@ -557,6 +557,35 @@ def test_bad_config_files_and_fields_are_one_line(tmp_path, case):
     assert not (tmp_path / "wd").exists()
 
 
+@pytest.mark.parametrize("case", ["empty", "checkpoints_a_file", "record_not_utf8"])
+def test_bad_workdirs_are_one_line(tmp_path, fashion_mnist_dir, case):
+    """An empty --workdir (not the current directory), a file where the checkpoints go,
+    a run record that is not UTF-8: one line, exit 2, nothing written."""
+    workdir = tmp_path / "wd"
+    workdir.mkdir()
+    if case == "checkpoints_a_file":
+        (workdir / "checkpoints").write_text("not a folder")
+    elif case == "record_not_utf8":
+        (workdir / wd.RECORD).write_bytes(b"\xff\xfe not json")
+    out = run("" if case == "empty" else workdir, fashion_mnist_dir, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    one_error(
+        out,
+        {
+            "empty": "--workdir is empty: name the run's folder",
+            "checkpoints_a_file": "checkpoints is a file, where the run keeps its checkpoints",
+            "record_not_utf8": f"{wd.RECORD} is not readable",
+        }[case],
+    )
+    assert not (ROOT / "checkpoints").exists() and not (ROOT / "metrics.jsonl").exists()
+    if case == "record_not_utf8":  # left as it was, nothing trained
+        assert (workdir / wd.RECORD).read_bytes() == b"\xff\xfe not json"
+        assert not checkpoint_steps(workdir)
+    else:
+        expected = [] if case == "empty" else ["checkpoints"]
+        assert [p.name for p in workdir.iterdir()] == expected
+
+
 def test_tilde_workdir_and_data_dir_are_expanded(tmp_path):
     """Defect 9: `--workdir=~/x` is $HOME/x (no directory named '~'), data_dir too."""
     home = tmp_path / "home"
