@@ -135,6 +135,18 @@ def config_error(error: BaseException, argv: list[str]) -> str:
     return f"{type(error).__name__}: {lines[-1] if lines else ''}"
 
 
+def flag_error(text: str) -> str:
+    """absl's flag error in one line; for a config file that failed, with its reason (the
+    last line of the traceback absl puts under it)."""
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    if len(lines) < 2 or "parsing config file" not in lines[0]:
+        return lines[0] if lines else text
+    reason = lines[-1]
+    if "get_config() takes 0 positional arguments" in reason:
+        reason = "this config file takes no FIELD=VALUE after ':'; use --config.FIELD=VALUE"
+    return f"{lines[0].removesuffix(':').replace('Error whilst parsing', 'cannot parse')}: {reason}"
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, with a bad config file or field as one line and exit 2 (the
     config is loaded here, not at first use, so its errors come out here too)."""
@@ -143,7 +155,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         _CONFIG.value.to_dict()  # a config that failed to load raises at first use
         return rest
     except flags.Error as e:
-        message = str(e).splitlines()[0]
+        message = flag_error(str(e))
     except Exception as e:  # whatever a config file or an override raises
         message = config_error(e, argv)
     print(f"error: {message}", file=sys.stderr, flush=True)

@@ -37,8 +37,9 @@ def parse_value(field: str, text: str, default: Any) -> Any:
     except ValueError:
         pass
     kind = type(default).__name__
+    article = "an" if kind[0] in "aeiou" else "a"
     raise ValueError(
-        f"{field}={text!r} is not a {kind} like the default {default!r}"
+        f"{field}={text!r} is not {article} {kind} like the default {default!r}"
         + (" (tuples are written a;b;c)" if isinstance(default, tuple) else "")
         + "."
     )

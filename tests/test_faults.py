@@ -524,6 +524,14 @@ BAD_FILES = {
     "missing": (["--config=configs/nope.py"], "no such config file 'configs/nope.py'"),
     "syntax": (None, "syntax error in"),
     "value": (["--config=configs/smoke.py", "--config.batch_size=abc"], "--config.batch_size=abc"),
+    "argument": (
+        ["--config=configs/smoke.py:batch_size=64"],
+        "takes no FIELD=VALUE after ':'; use --config.FIELD=VALUE",
+    ),
+    "override": (
+        ["--config=configs/imagenet.py:batch_size=abc"],
+        "batch_size='abc' is not an int like the default 256.",
+    ),
     "infinite": (
         ["--config=configs/smoke.py", "--config.base_lr=inf"],
         "config.base_lr=inf must be a finite number.",

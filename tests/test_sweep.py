@@ -96,7 +96,7 @@ def test_sweep_runs_collects_and_resumes(tmp_path, fashion_mnist_dir):
 def test_sweep_rejects_unknown_fields_and_bad_values(tmp_path, capsys):
     for bad, words in [
         ("--grid=batchsize=32", "'batchsize' is not a config field"),
-        ("--grid=batch_size=3x", "batch_size='3x' is not a int"),
+        ("--grid=batch_size=3x", "batch_size='3x' is not an int"),
     ]:
         code, _, err = sweep_here(capsys, tmp_path, "--name=x", "--config=configs/smoke.py", bad)
         assert code == 2
