@@ -305,6 +305,13 @@ def check_resume(recorded: dict, config: Any, step: int, steps_per_epoch: int) -
         )
     recorded = {**{f: _plain(v) for f, v in BEFORE_FIELD.items()}, **recorded}
     shared = sorted(set(recorded) & set(current) - skip)
+    for f in shared:
+        if _kind(recorded[f]) != _kind(current[f]):
+            raise ConfigError(
+                f"this workdir's {RECORD} has {f}={recorded[f]!r}, not a value of the field's "
+                f"type ({type(current[f]).__name__}): the record was edited or damaged: "
+                "restore it (result.json holds a copy of the config) or use a new workdir."
+            )
     differ = [f for f in shared if recorded[f] != current[f]]
     if differ:
         what = ", ".join(f"{f}={recorded[f]!r} (this config: {current[f]!r})" for f in differ)
@@ -334,6 +341,13 @@ def check_resume(recorded: dict, config: Any, step: int, steps_per_epoch: int) -
             f"the {step} steps already trained (lr_decay={config.lr_decay!r}): rerun with "
             f"--config.num_epochs={before}, or use a new workdir."
         )
+
+
+def _kind(value: Any) -> str:
+    """A value's JSON kind: numbers are one kind (a float field may hold 1 or 1.0)."""
+    if isinstance(value, bool):
+        return "bool"
+    return "number" if isinstance(value, int | float) else type(value).__name__
 
 
 def _flag(value: Any) -> str:

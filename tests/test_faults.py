@@ -89,7 +89,8 @@ def test_torn_metrics_line_and_truncated_cache_then_the_rerun_is_exact(
 def test_resume_refuses_a_changed_config_and_a_finished_run_changes_nothing(
     tmp_path, fashion_mnist_dir, straight
 ):
-    """Defect 2, on the finished run and on the same run cut back to step 32."""
+    """A changed config is refused with the fix, on the finished run and on the same run
+    cut back to step 32; so is a record whose value has the wrong type."""
     finished = tmp_path / "finished"
     shutil.copytree(straight, finished)
     before = {p: p.read_bytes() for p in (finished / "result.json", finished / "metrics.jsonl")}
@@ -125,6 +126,13 @@ def test_resume_refuses_a_changed_config_and_a_finished_run_changes_nothing(
     out = run(half, fashion_mnist_dir, *LONGER, "--config.seed=1", "--config.base_lr=0.2")
     assert out.returncode == 2
     one_error(out, "base_lr=0.1 (this config: 0.2), seed=0 (this config: 1)")
+    record = half / wd.RECORD  # edited by hand: a number written as a string
+    original = record.read_text()
+    record.write_text(original.replace('"batch_size": 64', '"batch_size": "64"'))
+    out = run(half, fashion_mnist_dir, *LONGER)
+    assert out.returncode == 2
+    one_error(out, "has batch_size='64', not a value of the field's type (int)", "restore it")
+    record.write_text(original)
     assert 32 in checkpoint_steps(half) and not (half / "result.json").exists()
     out = run(half, fashion_mnist_dir, *LONGER)
     assert out.returncode == 0, out.stderr[-3000:]
