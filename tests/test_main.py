@@ -220,8 +220,10 @@ def test_unreadable_checkpoint_falls_back_to_the_previous(tmp_path, fashion_mnis
 def test_eval_transform_leaves_the_error_of_an_antialiased_decode(straight, fashion_mnist_dir):
     """Rule 13's eval transform (libjpeg's DCT-scaled decode of the window, a bilinear
     warp without antialiasing) against the reference (PIL's full decode, antialiased
-    bilinear resize): the trained smoke model, on its 500 eval images as 112 x 112 JPEGs
-    (shorter side 16 -> centre 14, decoded at 1/4 scale), errs as often, within noise."""
+    bilinear resize) and the project's previous transform (PIL's DCT-scaled draft,
+    antialiased resize): the trained smoke model, on its 500 eval images as 112 x 112
+    JPEGs (shorter side 16 -> centre 14, decoded at 1/4 scale), errs as often with
+    each, within noise."""
     config = smoke.get_config()
     state = final_state(straight)
     model = builder.model_from_config(config)
@@ -241,17 +243,29 @@ def test_eval_transform_leaves_the_error_of_an_antialiased_decode(straight, fash
         variables = {"params": state["params"], "batch_stats": state["batch_stats"]}
         return model.apply(variables, normalize(images), train=False).argmax(-1)
 
+    def previous(encoded):
+        image = Image.open(io.BytesIO(encoded))
+        top, left, h, _ = transforms.center_window(112, 112, 14)
+        image.draft("RGB", (112 // (h // 14), 112 // (h // 14)))  # libjpeg's 1/4 here
+        scale = image.size[0] / 112
+        box = (left * scale, top * scale, (left + h) * scale, (top + h) * scale)
+        return np.asarray(image.convert("RGB").resize((14, 14), Image.BILINEAR, box=box))
+
+    transforms_ = {
+        "ours": lambda e: transforms.eval_transform_large(e, 14),
+        "reference": lambda e: transforms.eval_transform_large(e, 14, reference=True),
+        "previous": previous,
+    }
     images, errors = {}, {}
-    for reference in (False, True):
-        images[reference] = np.stack(
-            [transforms.eval_transform_large(e, 14, reference)[..., :1] for e in encoded]
-        )
-        errors[reference] = float(np.mean(np.asarray(predict(images[reference])) != labels))
-    pixels = np.abs(images[True].astype(float) - images[False]).mean()
-    print(f"eval top-1 error: ours {errors[False]:.3f}, reference {errors[True]:.3f}")
-    print(f"pixels: mean absolute difference {pixels:.2f} grey levels")
-    assert errors[True] < 0.8  # the model has learnt something on these images
-    assert abs(errors[True] - errors[False]) <= 0.01  # 5 of 500 images
+    for name, fn in transforms_.items():
+        images[name] = np.stack([fn(e)[..., :1] for e in encoded])
+        errors[name] = float(np.mean(np.asarray(predict(images[name])) != labels))
+    pixels = np.abs(images["reference"].astype(float) - images["ours"]).mean()
+    print("eval top-1 error: " + ", ".join(f"{k} {v:.3f}" for k, v in errors.items()))
+    print(f"pixels against the reference: mean absolute difference {pixels:.2f} grey levels")
+    assert errors["reference"] < 0.8  # the model has learnt something on these images
+    assert abs(errors["reference"] - errors["ours"]) <= 0.01  # 5 of 500 images
+    assert abs(errors["previous"] - errors["ours"]) <= 0.01
     assert pixels < EVAL_PIXEL_TOLERANCE
 
 
