@@ -101,8 +101,8 @@ def main(argv):
     else:
         metric = result["val_error_top1_median_last_epochs"]
         print(
-            f"done: top-1 error {result['final_val_error_top1']} (paper metric, median of the "
-            f"last {result['last_epochs']} epochs: {metric}); results in "
+            f"done: top-1 error {result['final_val_error_top1']:.4g} (paper metric, median of "
+            f"the last {result['last_epochs']:g} epochs: {metric:.4g}); results in "
             f"{workdir}/result.json",
             flush=True,
         )
