@@ -4,6 +4,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# pytest processes: one per core, at most 4 (each test's runs use 8 fake devices).
+TEST_PROCESSES ?= $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)
 
 .PHONY: install data demo test lint wheels
 
@@ -28,7 +30,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 test: lint data
-	REQUIRE_TPU_COMPILER=1 REQUIRE_GPU_COMPILER=1 $(BIN)/python -m pytest -q
+	REQUIRE_TPU_COMPILER=1 REQUIRE_GPU_COMPILER=1 $(BIN)/python -m pytest -q -n $(TEST_PROCESSES)
 
 # Wheels the GPU check installs offline where the GPU host lacks them (scripts/gpu_check.sh).
 wheels:

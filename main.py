@@ -10,15 +10,33 @@ Exit codes: 0 done (or preempted by SIGTERM with a checkpoint saved), 2 bad conf
 workdir (also a full disk, a workdir in use), 1 a failed run (e.g. NaN loss), 130 SIGINT.
 """
 
+import os
 import re
+import signal
 import sys
 from pathlib import Path
 
-from largebatch_jax import host
+
+def _stopped_outside_the_loop(signum, frame):
+    """SIGTERM before the first step or after the last (the loop handles its own): no
+    step is lost, so one line and exit 0, as for a preemption inside the loop."""
+    del signum, frame
+    print(
+        "preempted (SIGTERM) before the first step or after the last: nothing is lost; "
+        "rerun the same command to go on",
+        flush=True,
+    )
+    raise SystemExit(0)  # through every `finally`: a lock taken is released
+
+
+signal.signal(signal.SIGTERM, _stopped_outside_the_loop)
+
+from largebatch_jax import host  # noqa: E402
 
 # Before JAX loads: on a host without GPU or TPU, JAX starts no accelerator plugin, and
 # what the installed plugins print while loading is filtered out (largebatch_jax.host).
 host.choose_platforms()
+host.quiet_native_logs()
 with host.plugin_noise_filtered():
     import jax
     from absl import app, flags, logging
@@ -28,6 +46,7 @@ with host.plugin_noise_filtered():
     from largebatch_jax import workdir as wd
     from largebatch_jax.data.loader import UnreadableImageError
     from largebatch_jax.data.sources import DatasetNotPreparedError
+    from largebatch_jax.metrics import filter_library_logs
     from largebatch_jax.validate import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
@@ -51,6 +70,11 @@ _HEARTBEAT = flags.DEFINE_integer(
     60,
     "A process silent this long is declared dead and the others stop with an error.",
 )
+_JOIN_TIMEOUT = flags.DEFINE_integer(
+    "initialization_timeout_seconds",
+    300,
+    "How long the processes wait for each other to start before they stop with an error.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -60,13 +84,20 @@ def main(argv):
     config = _CONFIG.value
     if config.reduction == "exact":
         exact.fix_cpu_threads()  # before the backend starts
-    parallel.initialize_distributed(
-        _DISTRIBUTED.value,
-        _COORDINATOR.value,
-        _NUM_PROCESSES.value,
-        _PROCESS_ID.value,
-        heartbeat_timeout_seconds=_HEARTBEAT.value,
-    )
+    filter_library_logs()
+    try:
+        parallel.initialize_distributed(
+            _DISTRIBUTED.value,
+            _COORDINATOR.value,
+            _NUM_PROCESSES.value,
+            _PROCESS_ID.value,
+            heartbeat_timeout_seconds=_HEARTBEAT.value,
+            initialization_timeout_seconds=_JOIN_TIMEOUT.value,
+            on_join_timeout=_not_joined,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     with host.plugin_noise_filtered():
         devices = jax.devices()  # the backend starts here
     warning = host.cpu_only_warning(
@@ -100,12 +131,29 @@ def main(argv):
         )
     else:
         metric = result["val_error_top1_median_last_epochs"]
+        skipped = result.get("skipped_steps", 0)
+        done = f"done, {skipped} of {result['steps']} updates skipped (non-finite)"
         print(
-            f"done: top-1 error {result['final_val_error_top1']:.4g} (paper metric, median of "
+            f"{done if skipped else 'done'}: top-1 error {result['final_val_error_top1']:.4g} "
+            "(paper metric, median of "
             f"the last {result['last_epochs']:g} epochs: {metric:.4g}); results in "
             f"{workdir}/result.json",
             flush=True,
         )
+
+
+def _not_joined() -> None:
+    """The processes have not all joined in time: one line and exit 2, from the thread
+    that waited (the main thread is blocked inside JAX, which would abort later)."""
+    print(
+        f"error: the {_NUM_PROCESSES.value or ''} processes did not all join the run at "
+        f"{_COORDINATOR.value or 'the cluster coordinator'} within {_JOIN_TIMEOUT.value} s: "
+        "start every process with the same --coordinator_address and --num_processes and "
+        "its own --process_id, or give them longer with --initialization_timeout_seconds.",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(2)  # nothing to clean up yet: no workdir is touched before the processes join
 
 
 def config_error(error: BaseException, argv: list[str]) -> str:

@@ -2,23 +2,53 @@
 JSON of the host-side state (data loader position, partial epoch sums).
 
 Saves are atomic (orbax writes a temporary directory and renames it), so a run killed at
-any moment leaves only complete checkpoints behind. Restoring tries the newest first and
-falls back to older ones if a checkpoint cannot be read. Nothing here deletes a
-checkpoint except orbax's rotation of the oldest beyond `keep`. A save is not started
-when the disk lacks the room for it (an OSError ENOSPC, before anything is written).
+any moment leaves only complete checkpoints behind. Each checkpoint is stamped with the
+identity of its run and the sha256 of its arrays. Restoring tries the newest first and
+falls back to older ones when a checkpoint cannot be read, belongs to another run or no
+longer matches its checksum; such a checkpoint is moved aside (`REJECTED`), never
+deleted. Nothing here deletes a checkpoint except orbax's rotation of the oldest beyond
+`keep`. A save is not started when the disk lacks the room for it (an OSError ENOSPC,
+before anything is written).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import hashlib
 import logging as pylogging
 import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
+
+# Where restore moves the checkpoints it cannot use, beside the checkpoints folder.
+REJECTED = "rejected_checkpoints"
+# The key of the stamp in a checkpoint's host JSON: {"run": identity, "state_sha256": ...}.
+STAMP = "checkpoint"
+
+
+def tree_digest(tree: Any) -> str:
+    """sha256 of the bytes of every array in `tree` (fetched to this host), in tree
+    order: equal digests mean bit-identical arrays."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(jax.device_get(tree)):
+        digest.update(np.ascontiguousarray(leaf).tobytes())
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass
+class Restored:
+    """What `restore_latest` found: the newest usable checkpoint (None: no usable one) and
+    the newer ones it passed over, with why (step -> reason)."""
+
+    state: Any = None
+    host: dict | None = None
+    step: int | None = None
+    rejected: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 class _OrbaxErrorsInOneLine(pylogging.Filter):
@@ -43,8 +73,12 @@ def _log_orbax_errors_in_one_line() -> None:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, keep: int):
+    """The run's checkpoints in `directory`; `identity` names the run (every checkpoint
+    saved carries it, and restore uses only the checkpoints that carry it)."""
+
+    def __init__(self, directory: str | Path, keep: int, identity: str = ""):
         self.directory = Path(directory).absolute()
+        self.identity = identity
         _log_orbax_errors_in_one_line()
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -63,22 +97,27 @@ class Checkpointer:
         return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
 
     def save(self, step: int, state: Any, host_state: dict) -> bool:
-        """Save at `step` unless a checkpoint of that step exists (never overwritten)."""
+        """Save at `step` unless a checkpoint of that step exists (never overwritten);
+        the host JSON gets the stamp: this run's identity and the arrays' sha256."""
         if step in self.manager.all_steps():
             return False
         _check_room(self.directory, state)
+        stamp = {"run": self.identity, "state_sha256": tree_digest(state)}
         return self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host_state)
+                state=ocp.args.StandardSave(state),
+                host=ocp.args.JsonSave({**host_state, STAMP: stamp}),
             ),
             force=True,
         )
 
-    def restore_latest(self, template: Any) -> tuple[Any, dict] | None:
-        """The newest readable checkpoint as (state, host_state), shaped and placed like
-        `template`; None when there is none. Unreadable ones are reported and skipped."""
+    def restore_latest(self, template: Any) -> Restored:
+        """The newest usable checkpoint, shaped and placed like `template`: readable, of
+        this run, its arrays matching their checksum. Each newer one is listed in
+        `rejected` with why (the caller reports them; set_aside moves them)."""
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        found = Restored()
         for step in reversed(self.steps()):
             try:
                 restored = self.manager.restore(
@@ -87,16 +126,46 @@ class Checkpointer:
                         state=ocp.args.StandardRestore(abstract), host=ocp.args.JsonRestore()
                     ),
                 )
-                return restored["state"], dict(restored["host"])
-            except Exception as e:  # a corrupt or partial checkpoint: use the one before
-                logging.warning(
-                    "checkpoint at step %d cannot be read (%s: %s) in %s; trying the previous one",
-                    step,
-                    type(e).__name__,
-                    str(e).splitlines()[0] if str(e) else "",
-                    self.directory,
-                )
-        return None
+                host = dict(restored["host"])
+                why = self._why_not_ours(restored["state"], host.pop(STAMP, None))
+            except Exception as e:  # a corrupt or partial checkpoint
+                lines = str(e).splitlines()
+                why = f"cannot be read ({type(e).__name__}: {lines[0] if lines else ''})"
+            if not why:
+                found.state, found.host, found.step = restored["state"], host, step
+                return found
+            found.rejected[step] = why
+        return found
+
+    def _why_not_ours(self, state: Any, stamp: Any) -> str:
+        """Why a checkpoint that was read cannot be used ("" when it can). A checkpoint
+        without a stamp (saved before checkpoints had one) is used as it is."""
+        if stamp is None:
+            return ""
+        if not isinstance(stamp, dict) or stamp.get("run") != self.identity:
+            run = stamp.get("run") if isinstance(stamp, dict) else stamp
+            return (
+                f"was saved by another run (run identity {str(run)[:12]}, this run's "
+                f"{self.identity[:12]}: its config differs in a field that changes the math)"
+            )
+        if stamp.get("state_sha256") != tree_digest(state):
+            return "is damaged (its arrays do not match the sha256 saved with them)"
+        return ""
+
+    def set_aside(self, step: int) -> Path:
+        """Move the checkpoint of `step` out of the run, into REJECTED beside the
+        checkpoints folder (kept for inspection; the run saves that step anew)."""
+        aside = self.directory.parent / REJECTED
+        aside.mkdir(exist_ok=True)
+        target, n = aside / str(step), 1
+        while target.exists():
+            target, n = aside / f"{step}.{n}", n + 1
+        (self.directory / str(step)).rename(target)
+        return target
+
+    def reload(self) -> None:
+        """Read the steps on disk again (after set_aside, on every process)."""
+        self.manager.reload()
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -1,13 +1,13 @@
 """What accelerators this host has, and the set-up entry points do before JAX starts.
 
 Importing this module imports no JAX and changes nothing; main.py and the tools call
-`choose_platforms` and `plugin_noise_filtered` first. JAX imports every installed
-accelerator plugin (the CUDA plugin's extension modules load with `import jax`, libtpu
-with the first backend), and on a host without the hardware they print start-up errors
-and banners before the program's own first line. With `JAX_PLATFORMS=cpu` JAX starts no
-accelerator backend, so nothing probes for chips or drivers; what the plugins' native
-code still writes while loading is filtered out of stderr, line by line, by exact
-pattern, everything else is passed on.
+`choose_platforms`, `quiet_native_logs` and `plugin_noise_filtered` first. JAX imports
+every installed accelerator plugin (the CUDA plugin's extension modules load with
+`import jax`, libtpu with the first backend), and on a host without the hardware they
+print start-up errors and banners before the program's own first line. With
+`JAX_PLATFORMS=cpu` JAX starts no accelerator backend, so nothing probes for chips or
+drivers; what the plugins' native code still writes while loading is filtered out of
+stderr, line by line, by exact pattern, everything else is passed on.
 """
 
 from __future__ import annotations
@@ -81,6 +81,19 @@ def choose_platforms(
         return None
     env["JAX_PLATFORMS"] = "cpu"
     return "cpu"
+
+
+def quiet_native_logs(environ: MutableMapping[str, str] | None = None) -> bool:
+    """`TF_CPP_MIN_LOG_LEVEL=1` where the user set none: the native logs of TensorFlow
+    (which tfds imports, at any point of a run), XLA and the accelerator plugins keep
+    their warnings and errors but drop their INFO banners (oneDNN, CPU features, CUDA
+    drivers), each of which would also bring absl's "before InitializeLog" preface.
+    Before TensorFlow or jax is imported. Returns whether it set the variable."""
+    env = os.environ if environ is None else environ
+    if "TF_CPP_MIN_LOG_LEVEL" in env:
+        return False
+    env["TF_CPP_MIN_LOG_LEVEL"] = "1"
+    return True
 
 
 def is_plugin_noise(line: str) -> bool:

@@ -16,6 +16,8 @@ checkpoint and exit 0); rerunning the same command resumes.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import os
 import re
 import signal
@@ -25,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from queue import Empty, Queue
 from typing import TextIO
 
@@ -76,6 +79,30 @@ def _forward(stream: TextIO, out: TextIO, prefix: str, lock: threading.Lock) -> 
             out.flush()
 
 
+def _stop_with_the_launcher() -> None:
+    """In each child, before it runs: SIGTERM (a preemption: save and stop) when the
+    launcher dies, even by SIGKILL, so that no process is left running on its own."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stopped_processes(procs: Sequence[subprocess.Popen]) -> list[int]:
+    """The indices of the processes that are stopped (SIGSTOP, a debugger, a frozen
+    host): alive but sending no heartbeats, so the others fail for them."""
+    stopped = []
+    for k, p in enumerate(procs):
+        try:
+            stat = Path(f"/proc/{p.pid}/stat").read_text()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[-1].split()[0] in ("T", "t"):
+            stopped.append(k)
+    return stopped
+
+
 def _describe(code: int) -> str:
     if code < 0:
         try:
@@ -108,6 +135,7 @@ def launch(
             stderr=subprocess.PIPE,
             text=True,
             bufsize=1,
+            preexec_fn=_stop_with_the_launcher,
         )
         procs.append(proc)
         for stream, target in ((proc.stdout, out), (proc.stderr, err)):
@@ -145,6 +173,7 @@ def launch(
     for k, p in enumerate(procs):
         threading.Thread(target=lambda k=k, p=p: exits.put((k, p.wait())), daemon=True).start()
     failed: tuple[int, int] | None = None  # (process, exit code)
+    stopped: list[int] = []  # processes found stopped when the first one failed
     deadline = None
     running = len(procs)
     try:
@@ -154,9 +183,16 @@ def launch(
                 running -= 1
                 if code != 0 and failed is None:
                     failed = (k, code)
+                    stopped = stopped_processes(procs)
                     note(
-                        f"process {k} (pid {procs[k].pid}) {_describe(code)}; "
-                        f"stopping the others within {grace:g} s"
+                        f"process {k} (pid {procs[k].pid}) {_describe(code)}"
+                        + (
+                            f" because process {stopped[0]} (pid {procs[stopped[0]].pid}) "
+                            "is stopped (SIGSTOP or a frozen host) and sends no heartbeats"
+                            if stopped
+                            else ""
+                        )
+                        + f"; stopping the others within {grace:g} s"
                     )
                     deadline = time.time() + grace
             except Empty:
@@ -166,6 +202,7 @@ def launch(
                     if p.poll() is None:
                         note(f"killing process {j} (pid {p.pid}), still running")
                         p.kill()
+                        p.send_signal(signal.SIGCONT)  # a stopped process dies only running
                 deadline = None
     finally:
         for s, handler in previous.items():
@@ -179,7 +216,10 @@ def launch(
     if failed is None:
         return 0
     k, code = failed
-    note(f"failed: process {k} {_describe(code)}")
+    if stopped:  # the cause: the failed process lost a stopped peer
+        note(f"failed: process {stopped[0]} was stopped; process {k} {_describe(code)}")
+    else:
+        note(f"failed: process {k} {_describe(code)}")
     return code if code > 0 else 128 - code
 
 

@@ -1,4 +1,4 @@
-"""Metrics and the clock: clu writers (logging, TensorBoard, metrics.jsonl), the
+"""Metrics and the clock: the writers (TensorBoard, metrics.jsonl), the
 training clock behind images/s and ETA, and the log filter for orbax.
 
 metrics.jsonl holds one JSON object per written line (`step`, `epoch` and scalars); it is
@@ -11,17 +11,18 @@ import contextlib
 import json
 import logging as std_logging
 import math
+import os
+import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from absl import logging
-from clu import metric_writers
 
 
-class JsonlWriter(metric_writers.MetricWriter):
-    """metrics.jsonl as a clu writer: one line per `write_scalars` call.
+class JsonlWriter:
+    """metrics.jsonl: one line per `write_scalars` call.
 
     A crash or a full disk in the middle of an append can leave a torn last line; the
     writer cuts it off when it opens the file (so the next line never joins it) and cuts
@@ -43,27 +44,6 @@ class JsonlWriter(metric_writers.MetricWriter):
                     f.truncate(size)
                 raise
 
-    def write_summaries(self, step, values, metadata=None) -> None:
-        del step, values, metadata  # scalars only
-
-    def write_images(self, step, images) -> None:
-        del step, images
-
-    def write_videos(self, step, videos) -> None:
-        del step, videos
-
-    def write_audios(self, step, audios, *, sample_rate) -> None:
-        del step, audios, sample_rate
-
-    def write_texts(self, step, texts) -> None:
-        del step, texts
-
-    def write_histograms(self, step, arrays, num_buckets=None) -> None:
-        del step, arrays, num_buckets
-
-    def write_hparams(self, hparams) -> None:
-        del hparams
-
     def flush(self) -> None:
         pass  # every line is written (and closed) when it is made
 
@@ -71,18 +51,69 @@ class JsonlWriter(metric_writers.MetricWriter):
         pass
 
 
-def create_writer(workdir: str | Path, is_main: bool = True) -> metric_writers.MetricWriter:
-    """The run's metric writer: the log, TensorBoard events and metrics.jsonl in `workdir`
-    on process 0; nothing on the others (their metrics are process 0's)."""
-    if not is_main:
-        return metric_writers.MultiWriter([])
-    return metric_writers.MultiWriter(
-        [
-            metric_writers.LoggingWriter(),
-            metric_writers.SummaryWriter(str(workdir)),
-            JsonlWriter(Path(workdir) / "metrics.jsonl"),
+class TensorBoardWriter:
+    """TensorBoard's event file of the scalars, written with the `tensorboard` package's
+    record format and protos alone: clu's and flax's writers, and tensorboard's own
+    EventFileWriter, import TensorFlow for this (3.7 s of every start-up)."""
+
+    def __init__(self, logdir: str | Path):
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+        self._records = RecordWriter(open(Path(logdir) / name, "ab"))  # noqa: SIM115
+        self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def _write(self, event: Any) -> None:
+        self._records.write(event.SerializeToString())
+        self._records.flush()
+
+    def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+
+        values = [
+            summary_pb2.Summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()
         ]
-    )
+        self._write(
+            event_pb2.Event(
+                wall_time=time.time(), step=int(step), summary=summary_pb2.Summary(value=values)
+            )
+        )
+
+    def flush(self) -> None:
+        self._records.flush()
+
+    def close(self) -> None:
+        self._records.close()
+
+
+class Writers:
+    """Every scalar to each of `writers` (the shape of clu's MultiWriter, without the
+    TensorFlow that importing clu's writers brings)."""
+
+    def __init__(self, writers: list):
+        self.writers = writers
+
+    def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+        for w in self.writers:
+            w.write_scalars(step, scalars)
+
+    def flush(self) -> None:
+        for w in self.writers:
+            w.flush()
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+
+
+def create_writer(workdir: str | Path, is_main: bool = True) -> Writers:
+    """The run's metric writer: TensorBoard events and metrics.jsonl in `workdir` on
+    process 0; nothing on the others (their metrics are process 0's). The console gets
+    the trainer's own lines, one per log point and one per evaluation."""
+    if not is_main:
+        return Writers([])
+    return Writers([TensorBoardWriter(workdir), JsonlWriter(Path(workdir) / "metrics.jsonl")])
 
 
 def repair_torn_tail(path: Path) -> None:
@@ -198,20 +229,24 @@ def format_eta(seconds: float) -> str:
 
 
 # Libraries whose INFO records say nothing about the run: orbax logs several per
-# checkpoint save, tfds two per dataset load. Their warnings and errors stay.
-_QUIET_PACKAGES = ("/orbax/", "/tensorflow_datasets/")
+# checkpoint save, tfds two per dataset load, JAX's distributed start two per process.
+# Their warnings and errors stay.
+_QUIET_PACKAGES = ("/orbax/", "/tensorflow_datasets/", "/jax/_src/distributed.py")
 
 
 class _DropLibraryInfo(std_logging.Filter):
     def filter(self, record: std_logging.LogRecord) -> bool:
         path = record.pathname.replace("\\", "/")
         noisy = any(p in path for p in _QUIET_PACKAGES)
+        if noisy and str(record.msg).startswith("Variant folder "):
+            return False  # tfds scanning a data_dir: a dataset not (fully) prepared there
+            # is the project's own one-line error, with the command that prepares it
         return not (noisy and record.levelno < std_logging.WARNING)
 
 
 def filter_library_logs() -> None:
     """Keep the log to the run's own lines (idempotent); other records pass untouched,
-    so the run's INFO lines and clu's metric lines show at absl's default verbosity."""
+    so the run's INFO lines show at absl's default verbosity."""
     handler = logging.get_absl_handler()
     if not any(isinstance(f, _DropLibraryInfo) for f in handler.filters):
         handler.addFilter(_DropLibraryInfo())

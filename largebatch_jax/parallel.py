@@ -9,8 +9,10 @@ both take the same replicated state and the same global batch and return the sam
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from queue import Queue
@@ -18,7 +20,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -116,6 +118,7 @@ def initialize_distributed(
     heartbeat_timeout_seconds: int = 60,
     initialization_timeout_seconds: int = 300,
     environ: Mapping[str, str] | None = None,
+    on_join_timeout: Callable[[], None] | None = None,
 ) -> bool:
     """Join the multi-process run (`jax.distributed.initialize`) if there is one.
 
@@ -123,21 +126,57 @@ def initialize_distributed(
     TPU metadata, SLURM, Open MPI); 'off' never; 'auto' initialises when a flag is given or
     `detect_cluster` finds a multi-process launcher. A process that stops sending
     heartbeats for `heartbeat_timeout_seconds` is declared dead and the others stop with
-    an error instead of hanging. Returns whether it initialised.
+    an error instead of hanging. When the processes have not all joined after
+    `initialization_timeout_seconds`, `on_join_timeout` is called (from another thread;
+    JAX itself would abort the process with a C++ stack trace a little later). Returns
+    whether it initialised.
     """
     if mode not in DISTRIBUTED_MODES:
         raise ValueError(f"--distributed={mode!r} must be one of {DISTRIBUTED_MODES}.")
     explicit = coordinator_address is not None or (num_processes or 1) > 1
     if mode == "off" or (mode == "auto" and not explicit and detect_cluster(environ) is None):
         return False
+    if process_id == 0 and coordinator_address:
+        check_port_free(coordinator_address)
+    if process_id in (0, None):
+        logging.info(
+            "joining a run of %s processes at %s (waiting up to %d s for all of them)",
+            num_processes or "the cluster's",
+            coordinator_address or "the cluster's coordinator",
+            initialization_timeout_seconds,
+        )
+    joined = threading.Event()
+    if on_join_timeout is not None:
+        threading.Thread(
+            target=lambda: joined.wait(initialization_timeout_seconds) or on_join_timeout(),
+            daemon=True,
+        ).start()
+    margin = 60 if on_join_timeout is not None else 0  # JAX's abort: only a backstop
     jax.distributed.initialize(
         coordinator_address,
         num_processes,
         process_id,
-        initialization_timeout=initialization_timeout_seconds,
+        initialization_timeout=initialization_timeout_seconds + margin,
         heartbeat_timeout_seconds=heartbeat_timeout_seconds,
     )
+    joined.set()
     return True
+
+
+def check_port_free(coordinator_address: str) -> None:
+    """ValueError (one line) when the coordinator's port is taken on this host (process 0
+    runs the coordinator; JAX would crash binding it)."""
+    port = coordinator_address.rsplit(":", 1)[-1]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", int(port)))
+        except OSError as e:
+            raise ValueError(
+                f"--coordinator_address={coordinator_address}: port {port} cannot be used on "
+                f"this host ({e.strerror}; another run's coordinator or another program "
+                "holds it): choose a free port."
+            ) from None
 
 
 def create_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -150,19 +189,29 @@ def create_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(np.array(devices), (AXIS,))
 
 
-def check_processes_agree(values: Mapping[str, Any]) -> None:
+_AGREEMENTS = itertools.count()  # each check's keys are new in the job's key-value store
+
+
+def check_processes_agree(values: Mapping[str, Any], timeout_seconds: int = 300) -> None:
     """Raise a ValueError naming the first entry of `values` (JSON-able) on which some
     process differs from process 0: every process must run the same config on the same
-    number of devices, or the collectives would silently mix different computations."""
+    number of devices, or the collectives would silently mix different computations.
+
+    The values travel through the coordination service's key-value store, not a
+    collective: a collective needs the very agreement (the same devices per process)
+    that this checks."""
     if jax.process_count() == 1:
         return
+    from jax._src import distributed  # the store has no public API yet (jax 0.10)
+
+    client = distributed.global_state.client
+    prefix = f"largebatch_jax/agree/{next(_AGREEMENTS)}"
     mine = {k: json.dumps(v, sort_keys=True, default=str) for k, v in values.items()}
-    blob = np.frombuffer(json.dumps(mine, sort_keys=True).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.int32(blob.size)))
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: blob.size] = blob
-    gathered = np.asarray(multihost_utils.process_allgather(padded))
-    everyone = [json.loads(bytes(row[:n]).decode()) for row, n in zip(gathered, sizes, strict=True)]
+    client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(mine, sort_keys=True))
+    everyone = [
+        json.loads(client.blocking_key_value_get(f"{prefix}/{p}", timeout_seconds * 1000))
+        for p in range(jax.process_count())
+    ]
     for key in sorted(set().union(*everyone)):
         reference = everyone[0].get(key)
         for p, theirs in enumerate(everyone[1:], start=1):

@@ -12,6 +12,27 @@ from pathlib import Path
 from largebatch_jax.metrics import read_metrics
 
 
+def curves(workdir: str) -> tuple[list, list]:
+    """A run's (epoch, training error) and (epoch, validation top-1 error) points."""
+    rows = read_metrics(workdir)
+    train = [(r["epoch"], r["epoch_train_error"]) for r in rows if "epoch_train_error" in r]
+    val = [(r["epoch"], r["val_error_top1"]) for r in rows if "val_error_top1" in r]
+    return train, val
+
+
+def check_workdirs(workdirs: list[str]) -> str:
+    """Why the workdirs cannot be plotted, in one line ("" when each has a curve)."""
+    for workdir in workdirs:
+        if not Path(workdir).is_dir():
+            return f"{workdir} is not a directory: name the workdirs of runs."
+        if not any(curves(workdir)):
+            return (
+                f"{workdir} has no finished epoch or evaluation in its metrics.jsonl yet: "
+                "nothing to plot (name the workdir of a run that has trained an epoch)."
+            )
+    return ""
+
+
 def plot_runs(
     workdirs: list[str], out: str, labels: list[str] | None = None, title: str = ""
 ) -> str:
@@ -23,9 +44,7 @@ def plot_runs(
     labels = labels or [Path(w).name for w in workdirs]
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4))
     for workdir, label in zip(workdirs, labels, strict=True):
-        rows = read_metrics(workdir)
-        train = [(r["epoch"], r["epoch_train_error"]) for r in rows if "epoch_train_error" in r]
-        val = [(r["epoch"], r["val_error_top1"]) for r in rows if "val_error_top1" in r]
+        train, val = curves(workdir)
         if train:
             ax_train.plot(*zip(*train, strict=True), label=label)
         if val:
@@ -52,6 +71,11 @@ def main() -> None:
     parser.add_argument("--title", default="")
     args = parser.parse_args()
     labels = args.labels.split(",") if args.labels else None
+    if labels is not None and len(labels) != len(args.workdirs):
+        parser.exit(2, f"error: --labels names {len(labels)} runs, not {len(args.workdirs)}.\n")
+    problem = check_workdirs(args.workdirs)
+    if problem:
+        parser.exit(2, f"error: {problem}\n")
     print(plot_runs(args.workdirs, args.out, labels, args.title))
 
 

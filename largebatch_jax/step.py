@@ -290,10 +290,17 @@ def make_train_step(
     def update(state: TrainState, grads, batch_stats, loss, error):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        # A non-finite loss or gradient leaves the state as it was (the step still counts),
-        # so the state in memory is always a good one; the loop stops or skips on the flag.
-        grad_norm = norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # A non-finite loss, gradient or updated state (a finite gradient times an
+        # overflowing learning rate) leaves the state as it was (the step still counts),
+        # so the state in memory, and every checkpoint, is a good one; the loop stops or
+        # skips on the flag.
+        grad_norm, new_norm = norm(grads), norm(params)
+        finite = (
+            jnp.isfinite(loss)
+            & jnp.isfinite(grad_norm)
+            & jnp.isfinite(new_norm)
+            & jnp.isfinite(norm(batch_stats))
+        )
         new_state = state.replace(
             step=state.step + 1,
             params=_keep_if_finite(finite, params, state.params),
@@ -306,7 +313,7 @@ def make_train_step(
             "train_error": error,
             "learning_rate": jnp.asarray(learning_rate_fn(state.step), jnp.float32),
             "grad_norm": grad_norm,
-            "param_norm": norm(new_state.params),
+            "param_norm": jnp.where(finite, new_norm, norm(state.params)),
         }
         return new_state, metrics
 

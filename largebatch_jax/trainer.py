@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import signal
@@ -28,8 +27,9 @@ from jax.experimental import multihost_utils
 from largebatch_jax import exact, parallel, schedules
 from largebatch_jax import workdir as wd
 from largebatch_jax.builder import Training, build_training
-from largebatch_jax.checkpoint import Checkpointer
+from largebatch_jax.checkpoint import Checkpointer, tree_digest
 from largebatch_jax.data import loader, sources
+from largebatch_jax.lock import WorkdirLock, read_lock_token
 from largebatch_jax.metrics import (
     TrainClock,
     create_writer,
@@ -41,7 +41,12 @@ from largebatch_jax.validate import ConfigError, validate_config
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite; the message names the step."""
+    """An update was not finite (loss, gradient or updated state) and skip_nonfinite is
+    off; the message (trainer._one_line_error) names the step and the checkpoints kept."""
+
+    def __init__(self, step: int, epoch: float, message: str = ""):
+        super().__init__(message or f"non-finite loss, gradient or update at step {step}")
+        self.step, self.epoch = step, epoch
 
 
 class RunInterruptedError(Exception):
@@ -91,7 +96,7 @@ class Run:
     data: Data
     training: Training
     checkpointer: Checkpointer
-    lock: wd.WorkdirLock | None
+    lock: WorkdirLock | None
     train_loader: loader.TrainLoader
     state: Any
     host: RunState
@@ -119,13 +124,13 @@ def _check_processes_agree(config: Any) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _lock_workdir(work: Path) -> wd.WorkdirLock | None:
+def _lock_workdir(work: Path) -> WorkdirLock | None:
     """Process 0 takes the workdir's lock for the whole run; every process learns whether
     it did, so that all stop together when another run holds it."""
     lock, error = None, ""
     if jax.process_index() == 0:
         try:
-            lock = wd.WorkdirLock(work)
+            lock = WorkdirLock(work)
             note = lock.acquire()
             if note:
                 logging.warning("%s", note)
@@ -153,13 +158,13 @@ def _token_word(token: str | None) -> np.ndarray:
         return np.zeros(2, np.int32)
 
 
-def _check_workdir_shared(work: Path, lock: wd.WorkdirLock | None) -> str:
+def _check_workdir_shared(work: Path, lock: WorkdirLock | None) -> str:
     """Every process must see the one workdir: each reads the token of the lock that
     process 0 has just written and all compare it with process 0's. A folder on each
     host's own disk would otherwise leave process 0 waiting for the others' part of the
     first checkpoint forever. Returns the error, or "" when the workdir is shared."""
     expected = multihost_utils.broadcast_one_to_all(_token_word(lock.token() if lock else None))
-    seen = _token_word(wd.read_lock_token(work))
+    seen = _token_word(read_lock_token(work))
     ok = multihost_utils.process_allgather(np.int32(np.array_equal(seen, expected)))
     blind = [i for i, good in enumerate(np.ravel(ok)) if not good]
     if not blind:
@@ -241,16 +246,37 @@ def load_data(config: Any) -> Data:
 
 
 def _restore(ckpt: Checkpointer, template: Any, workdir: Path) -> tuple[Any, RunState]:
-    restored = ckpt.restore_latest(template)
-    if restored is not None:
-        state, host = restored
-        return state, RunState.from_json(host)
-    if ckpt.steps():
-        raise ConfigError(
-            f"--workdir={workdir}: none of the checkpoints {ckpt.steps()} can be restored "
-            "(corrupt, or saved with another model or optimizer config): use a new workdir."
-        )
-    return template, RunState()
+    """The newest usable checkpoint (Checkpointer.restore_latest). Process 0 moves the
+    newer ones it passed over aside, once every process has read its own, so that the
+    run saves those steps anew; one warning line each, naming why."""
+    found = ckpt.restore_latest(template)
+    where = ckpt.directory
+    if found.step is None:
+        if found.rejected and jax.process_index() == 0:
+            for step, why in sorted(found.rejected.items(), reverse=True):
+                logging.warning("checkpoint at step %d %s (in %s)", step, why, where)
+        if ckpt.steps():
+            raise ConfigError(
+                f"--workdir={workdir}: none of the checkpoints {ckpt.steps()} can be restored "
+                "(each is named above, with why): use a new workdir, or move back a good "
+                "checkpoint."
+            )
+        return template, RunState()
+    if found.rejected:
+        multihost_utils.sync_global_devices("checkpoints read")
+        if jax.process_index() == 0:
+            for step, why in sorted(found.rejected.items(), reverse=True):
+                moved = ckpt.set_aside(step)
+                logging.warning(
+                    "checkpoint at step %d %s: moved to %s; resuming from step %d",
+                    step,
+                    why,
+                    moved,
+                    found.step,
+                )
+        multihost_utils.sync_global_devices("checkpoints set aside")
+        ckpt.reload()
+    return found.state, RunState.from_json(found.host)
 
 
 def _train_loader(config: Any, data: Data, total: int, host: RunState, workdir: Path):
@@ -293,7 +319,7 @@ def build(config: Any, workdir: str | Path) -> Run:
     lock = _lock_workdir(work)
     try:
         data = load_data(config)
-        ckpt = Checkpointer(work / "checkpoints", config.keep_checkpoints)
+        ckpt = Checkpointer(work / "checkpoints", config.keep_checkpoints, wd.run_identity(config))
         _check_record(config, work, ckpt.steps(), data.steps_per_epoch)
         training = build_training(config, engine, data.steps_per_epoch)
         state, host = _restore(ckpt, training.state, work)
@@ -435,20 +461,24 @@ class MetricBuffer:
         steps = [s for s, _ in self.pending]
         fetched = jax.device_get([m for _, m in self.pending])
         self.pending.clear()
+        skipped = self.run.host.skipped
         for s, m in zip(steps, fetched, strict=True):
             self._count(s, m)
+        if self.run.host.skipped > skipped and self.run.is_main:
+            logging.warning(
+                "step %d: %d of %d updates skipped so far (non-finite loss, gradient or "
+                "update; skip_nonfinite=True)",
+                step,
+                self.run.host.skipped,
+                step,
+            )
         self._write(step, fetched[-1])
 
     def _count(self, step: int, m: dict) -> None:
         run, spe = self.run, self.run.data.steps_per_epoch
         if m["nonfinite"]:
             if not run.config.skip_nonfinite:
-                raise NonFiniteLossError(
-                    f"non-finite loss at step {step} (epoch {step / spe:.2f}); the state of "
-                    f"step {step - 1} is kept and the last checkpoint "
-                    f"(step {max(run.checkpointer.steps(), default=0)}) is untouched. Lower "
-                    "the learning rate or set --config.skip_nonfinite=True."
-                )
+                raise NonFiniteLossError(step, step / spe)
             run.host.skipped += 1
             return
         sums = run.host.epoch_sums.setdefault(str((step - 1) // spe), [0.0, 0.0, 0])
@@ -467,12 +497,16 @@ class MetricBuffer:
             "skipped_steps": run.host.skipped,
         }
         self.writer.write_scalars(step, scalars)
-        if run.is_main:
-            logging.info(  # the scalars themselves: clu's logging writer, just above
-                "step %d/%d epoch %.2f | %.0f img/s | ETA %s (training time only)",
+        if run.is_main:  # every scalar is in metrics.jsonl and TensorBoard
+            logging.info(
+                "step %d/%d epoch %.2f | loss %.4g error %.4f lr %.4g | %.0f img/s | ETA %s "
+                "(training time only)",
                 step,
                 run.total_steps,
                 scalars["epoch"],
+                last["train_loss"],
+                last["train_error"],
+                last["learning_rate"],
                 images_per_sec,
                 format_eta(eta),
             )
@@ -496,17 +530,21 @@ class MetricBuffer:
 def evaluate(run: Run) -> dict:
     """Every validation image once (padded, masked); returns error rates and loss."""
     totals: dict[str, float] = {}
-    for batch in loader.eval_batches(
+    batches = loader.eval_batches(
         run.data.eval,
         run.data.augment,
         run.config.eval_batch_size,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         workers=run.config.workers,
-    ):
-        sums = jax.device_get(run.training.eval_step(run.state, run.engine.shard_batch(batch)))
-        for k, v in sums.items():
-            totals[k] = totals.get(k, 0.0) + float(v)
+    )
+    try:
+        for batch in batches:
+            sums = jax.device_get(run.training.eval_step(run.state, run.engine.shard_batch(batch)))
+            for k, v in sums.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+    finally:
+        loader.close_iterator(batches)  # its worker processes now, not at exit
     n = totals["count"]
     return {
         "val_error_top1": totals["top1_errors"] / n,
@@ -599,14 +637,6 @@ def train(run: Run, writer: Any, clock: TrainClock) -> int | None:
 # ----------------------------------------------------------------------------- finish
 
 
-def params_digest(params: Any) -> str:
-    """sha256 of every parameter's bytes: equal digests mean bit-identical parameters."""
-    digest = hashlib.sha256()
-    for leaf in jax.tree.leaves(jax.device_get(params)):
-        digest.update(np.ascontiguousarray(leaf).tobytes())
-    return digest.hexdigest()
-
-
 def paper_metric(evals: list[dict], num_epochs: float, last_epochs: float) -> dict:
     """Paper rule 14: a run's error is the median top-1 validation error of the
     evaluations made in its last `last_epochs` epochs (5 in the paper)."""
@@ -639,7 +669,7 @@ def finish(run: Run, clock: TrainClock) -> dict:
         "train_seconds_this_session": clock.session_seconds(),
         "wall_seconds_this_session": clock.wall_seconds(),
         "paused_seconds_this_session": dict(clock.paused_seconds),
-        "params_sha256": params_digest(run.state.params),
+        "params_sha256": tree_digest(run.state.params),
         "batch_size": c.batch_size,
         "bn_group_size": c.bn_group_size,
         "peak_learning_rate": schedules.peak_learning_rate(
@@ -691,9 +721,19 @@ def _first_line(error: BaseException) -> str:
 
 
 def _one_line_error(run: Run, error: BaseException) -> BaseException | None:
-    """The one-line error a known fault becomes (disk full, SIGINT), or None."""
+    """The one-line error a known fault becomes (non-finite update, SIGINT, disk full),
+    or None. Called after the checkpointer has closed: every save has finished."""
     kept = run.checkpointer.steps()
     where = f"checkpoints at steps {kept} in {run.checkpointer.directory} are intact"
+    if isinstance(error, NonFiniteLossError):
+        return NonFiniteLossError(
+            error.step,
+            error.epoch,
+            f"non-finite loss, gradient or update at step {error.step} (epoch "
+            f"{error.epoch:.2f}): {where}; rerun the same command with "
+            f"--config.skip_nonfinite=True to resume from step {max(kept, default=0)} "
+            "skipping such updates, or lower the learning rate in a new workdir.",
+        )
     if isinstance(error, KeyboardInterrupt):
         return RunInterruptedError(
             f"interrupted (SIGINT): {where}; rerun the same command to resume from step "

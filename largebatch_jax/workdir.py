@@ -1,4 +1,4 @@
-"""The workdir of one run: its path, one run at a time in it (a lock), the record of the
+"""The workdir of one run: its path (one run at a time in it: lock.py), the record of the
 config that defines the run's math (compared on every resume), and files written so that
 a crash can never leave them unreadable.
 
@@ -9,14 +9,10 @@ match the workdir's run); main.py turns both into exit code 2.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import errno
+import hashlib
 import json
 import os
-import secrets
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +20,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from largebatch_jax import schedules
+from largebatch_jax.lock import WorkdirError
 from largebatch_jax.validate import ConfigError
-
-
-class WorkdirError(Exception):
-    """The workdir cannot hold the run (in use, not writable, full); one line."""
 
 
 def resolve(workdir: str | Path) -> Path:
@@ -90,155 +83,15 @@ def is_disk_full(error: BaseException) -> bool:
     return False
 
 
-# ----------------------------------------------------------------------------- the lock
-
-
-class WorkdirLock:
-    """One run per workdir: `run.lock` names the process holding it (pid, its start time,
-    host, since) and a random token.
-
-    The file is created with O_CREAT | O_EXCL, atomic on local filesystems and on NFS
-    (v3 and later), and its mtime is touched every `heartbeat_seconds` while the run
-    lives. A lock is stale when its process is gone (same host: no process with that pid
-    and start time; pids are reused, in containers after every restart) or, held from
-    another host where the pid cannot be checked, when its heartbeat is older than
-    `stale_seconds`; an unreadable lock (empty, torn) older than `TORN_SECONDS` is stale
-    too. A stale lock is replaced with a warning. In a multi-process run process 0 holds
-    it for all, and every process checks that it sees the token (trainer.build).
-    """
-
-    NAME = "run.lock"
-    TORN_SECONDS = 5.0  # a lock is written right after it is created
-
-    def __init__(self, workdir: Path, heartbeat_seconds: float = 10.0, stale_seconds: float = 60.0):
-        self.path = Path(workdir) / self.NAME
-        self.heartbeat_seconds, self.stale_seconds = heartbeat_seconds, stale_seconds
-        self.me = {
-            "pid": os.getpid(),
-            "started": process_start_time(os.getpid()),
-            "host": socket.gethostname(),
-            "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "token": secrets.token_hex(8),
-        }
-        self._stop = threading.Event()
-        self._beat: threading.Thread | None = None
-
-    def acquire(self) -> str | None:
-        """Take the lock; returns a note when a stale one was replaced. WorkdirError
-        (one line naming the holder) when a live run holds it."""
-        note = None
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder, age = self._holder()
-                if not self._is_stale(holder, age):
-                    raise WorkdirError(self._busy_message(holder)) from None
-                note = (
-                    f"replaced the stale lock {self.path} of pid {holder.get('pid')} on "
-                    f"{holder.get('host')} (since {holder.get('since')}; no heartbeat for "
-                    f"{age:.0f} s or the process is gone)"
-                )
-                with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.me) + "\n")
-            self._beat = threading.Thread(target=self._heartbeat, daemon=True)
-            self._beat.start()
-            return note
-        holder, _ = self._holder()
-        raise WorkdirError(self._busy_message(holder))
-
-    def _holder(self) -> tuple[dict, float]:
-        try:
-            text, mtime = self.path.read_text(), self.path.stat().st_mtime
-        except FileNotFoundError:
-            return {}, float("inf")
-        try:
-            holder = json.loads(text)
-        except json.JSONDecodeError:  # being written this instant, or torn
-            holder = {}
-        return holder if isinstance(holder, dict) else {}, time.time() - mtime
-
-    def _is_stale(self, holder: dict, age: float) -> bool:
-        # On this host the process is the truth (a stopped or busy run keeps its lock);
-        # on another, only the heartbeat can tell.
-        if not holder:
-            return age > self.TORN_SECONDS
-        if holder.get("host") == self.me["host"] and isinstance(holder.get("pid"), int):
-            started = holder.get("started")
-            alive = _process_alive(holder["pid"])
-            return not alive or (
-                started is not None and process_start_time(holder["pid"]) != started
-            )
-        return age > self.stale_seconds
-
-    def token(self) -> str:
-        return self.me["token"]
-
-    def _busy_message(self, holder: dict) -> str:
-        if not holder:
-            return (
-                f"--workdir={self.path.parent} is being locked by another run this instant "
-                f"({self.path} is not written yet): try again in {self.TORN_SECONDS:.0f} s."
-            )
-        return (
-            f"--workdir={self.path.parent} is in use by another run (pid "
-            f"{holder.get('pid', '?')} on {holder.get('host', '?')}, since "
-            f"{holder.get('since', '?')}; {self.path}): wait for it to end, stop it, or "
-            "choose another workdir."
-        )
-
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.heartbeat_seconds):
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
-
-    def release(self) -> None:
-        self._stop.set()
-        holder, _ = self._holder()
-        if holder.get("pid") == self.me["pid"] and holder.get("since") == self.me["since"]:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-
-
-def read_lock_token(workdir: Path) -> str | None:
-    """The token of the lock in `workdir` as this process sees it (None: no lock here)."""
-    with contextlib.suppress(OSError, json.JSONDecodeError, AttributeError):
-        return json.loads((Path(workdir) / WorkdirLock.NAME).read_text()).get("token")
-    return None
-
-
-def process_start_time(pid: int) -> int | None:
-    """When the process started, in clock ticks since boot (Linux), or None: with the pid,
-    it names one process, which a pid alone does not once pids are reused."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    try:  # a zombie (killed, not yet reaped by its parent) is gone too
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 # ----------------------------------------------------------------------------- the record
 
 RECORD = "run_config.json"
 
 # The only fields a resumed run may change: they do not enter its math. Paths and host
 # resources; logging, evaluation and checkpoint intervals (what is reported, not what is
-# trained); the layout, which the invariance promise makes free (DESIGN.md). num_epochs
+# trained); the layout, which the invariance promise makes free (DESIGN.md); and
+# skip_nonfinite, which changes no update that the run has made (a non-finite update
+# leaves the state as it was either way: it only stops the run or not). num_epochs
 # may change too, but only while the learning rate of every step already trained stays
 # the same (step decay: extending a run; not cosine, which spans num_epochs).
 MAY_CHANGE = (
@@ -254,6 +107,7 @@ MAY_CHANGE = (
     "accum_steps",
     "accum_loop",
     "parallelism",
+    "skip_nonfinite",
 )
 
 
@@ -341,6 +195,26 @@ def check_resume(recorded: dict, config: Any, step: int, steps_per_epoch: int) -
             f"the {step} steps already trained (lr_decay={config.lr_decay!r}): rerun with "
             f"--config.num_epochs={before}, or use a new workdir."
         )
+
+
+def run_identity(config: Any) -> str:
+    """The identity of the run a config defines, stamped on its checkpoints: the sha256 of
+    every field that changes the math (not MAY_CHANGE, not num_epochs), where a field at
+    its BEFORE_FIELD value counts as absent (so adding a field keeps old identities).
+    Numbers count as floats, as check_resume compares them (1 == 1.0)."""
+    skip = set(MAY_CHANGE) | {"num_epochs"}
+    fields = {
+        f: _as_float(v)
+        for f, v in _plain(config.to_dict()).items()
+        if f not in skip and not (f in BEFORE_FIELD and v == _plain(BEFORE_FIELD[f]))
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def _as_float(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_as_float(v) for v in value]
+    return float(value) if _kind(value) == "number" else value
 
 
 def _kind(value: Any) -> str:

@@ -41,6 +41,22 @@ PLUGIN_LINE = re.compile(
 )
 
 
+# A log line of the project's own (absl's format, from one of its modules).
+PROJECT_LINE = re.compile(r"^[IWE]\d{4} [\d:.]+ +\d+ (\w+)\.py:\d+\] ")
+PROJECT_MODULES = {p.stem for p in ROOT.glob("largebatch_jax/**/*.py")} | {"main"}
+
+
+def foreign_lines(text: str) -> list[str]:
+    """The lines of a run's output that are not the project's: its log lines, `error:`,
+    `warning:`, `done`, `preempted` lines."""
+    own = ("error: ", "warning: ", "done", "preempted")
+    return [
+        x
+        for x in text.splitlines()
+        if not x.startswith(own) and not ((m := PROJECT_LINE.match(x)) and m[1] in PROJECT_MODULES)
+    ]
+
+
 def command(workdir, data_dir, *overrides, config="configs/smoke.py", processes=0, devices=8):
     """`main.py` with a config and overrides; through the launcher when processes > 0."""
     main = [

@@ -13,12 +13,15 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import ml_collections
+import numpy as np
 import pytest
 
 from configs import smoke
 from largebatch_jax import workdir as wd
 from largebatch_jax.data import sources
+from largebatch_jax.lock import WorkdirLock, process_start_time
 from largebatch_jax.metrics import read_metrics
 from largebatch_jax.validate import ConfigError
 from tests.runs import (
@@ -28,6 +31,8 @@ from tests.runs import (
     command,
     env,
     error_lines,
+    final_state,
+    foreign_lines,
     prepare_with_a_bad_record,
     result,
     run,
@@ -37,6 +42,7 @@ from tests.runs import (
 )
 
 pytestmark = pytest.mark.slow
+UNSHARE = shutil.which("unshare")
 
 
 def sha(workdir) -> str:
@@ -164,6 +170,127 @@ def test_resume_rules_for_num_epochs(tmp_path):
     wd.check_resume(json.loads(json.dumps(smoke.get_config().to_dict())), changed, 16, 16)
 
 
+def test_the_run_identity_changes_with_the_math_only():
+    """A checkpoint's stamp: equal for every config a resume accepts (MAY_CHANGE fields,
+    num_epochs, a number written as an int), different for any field of the math."""
+    base = wd.run_identity(smoke.get_config())
+    same = smoke.get_config()
+    same.workers, same.accum_steps, same.num_epochs, same.parallelism = 3, 2, 9.0, "pmap"
+    same.checkpoint_every_steps, same.data_dir, same.base_lr = 1, "/elsewhere", 0.1
+    assert wd.run_identity(same) == base
+    for field, value in [("lr_multiplier", 100.0), ("seed", 1), ("decay_epochs", (1.0,))]:
+        other = smoke.get_config()
+        other[field] = value
+        assert wd.run_identity(other) != base, field
+
+
+def flip_bytes(path: Path, count: int = 3) -> None:
+    """Invert `count` bytes spread over the middle half of a file."""
+    data = bytearray(path.read_bytes())
+    for i in range(count):
+        data[len(data) // 4 + i * len(data) // (2 * count)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_foreign_damaged_and_unreadable_checkpoints_are_set_aside(
+    tmp_path, fashion_mnist_dir, straight
+):
+    """Issue 35, case 2: a copy of the uninterrupted run whose step 64 is replaced by a
+    real foreign checkpoint (a run with lr_multiplier=100: the same shapes and seed),
+    whose step 56 has three flipped bytes in its largest data file and whose step 48
+    cannot be parsed. The rerun passes over each with one warning line naming why, moves
+    it to rejected_checkpoints/, resumes from step 40, saves 48..64 anew and ends with
+    the uninterrupted run's params_sha256."""
+    foreign = tmp_path / "foreign"
+    out = run(
+        foreign,
+        fashion_mnist_dir,
+        "--config.num_epochs=0.5",
+        "--config.decay_epochs=()",
+        "--config.lr_multiplier=100",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    workdir = tmp_path / "wd"
+    shutil.copytree(straight, workdir)
+    (workdir / "result.json").unlink()
+    ckpts = workdir / "checkpoints"
+    shutil.rmtree(ckpts / "64")
+    shutil.copytree(foreign / "checkpoints" / "8", ckpts / "64")
+    files = [f for f in (ckpts / "56" / "state").rglob("*") if f.is_file()]
+    flip_bytes(max(files, key=lambda f: f.stat().st_size))
+    for f in (ckpts / "48" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+
+    out = run(workdir, fashion_mnist_dir, *LONGER)
+    assert out.returncode == 0, out.stderr[-3000:]
+    moved = [x for x in out.stderr.splitlines() if "moved to" in x]
+    assert len(moved) == 3, out.stderr[-3000:]
+    for line, step, why in zip(
+        moved,
+        (64, 56, 48),
+        ("was saved by another run", "is damaged (its arrays do not match", "cannot be read"),
+        strict=True,
+    ):
+        assert f"checkpoint at step {step} {why}" in line, line
+        assert f"rejected_checkpoints/{step}; resuming from step 40" in line, line
+    assert "resuming at step 40" in out.stderr
+    assert sha(workdir) == sha(straight)
+    assert {48, 56, 64} <= set(checkpoint_steps(workdir))
+    assert sorted(os.listdir(workdir / "rejected_checkpoints")) == ["48", "56", "64"]
+
+
+def test_a_diverging_run_stops_with_good_checkpoints_and_resumes_skipping(
+    tmp_path, fashion_mnist_dir
+):
+    """Issue 35, case 3: a learning rate that overflows (lr_multiplier=1e8, a checkpoint
+    every step) stops the run at the first non-finite loss, gradient or update with one
+    line naming the step, every checkpoint kept (all finite: the check covers the
+    updated state too, and the line lists the checkpoints after the last save finished)
+    and the fix; the fix, the same command with skip_nonfinite=True, resumes from the
+    newest checkpoint (a field that may change) and ends "done" with the skipped updates
+    counted in its warnings, its done line and result.json."""
+    diverge = ("--config.lr_multiplier=1e8", "--config.checkpoint_every_steps=1")
+    out = run(tmp_path, fashion_mnist_dir, *diverge)
+    assert out.returncode == 1, out.stderr[-3000:]
+    line = one_error(out, "non-finite loss, gradient or update at step ")
+    assert foreign_lines(out.stdout + out.stderr) == []
+    step = int(line.split(" at step ")[1].split()[0])
+    kept = readable_checkpoints(tmp_path)
+    assert kept and max(kept) < step, (kept, line)
+    assert f"checkpoints at steps {kept} in " in line, line
+    assert f"--config.skip_nonfinite=True to resume from step {max(kept)} " in line, line
+    for s in kept:
+        leaves = jax.tree.leaves(final_state(tmp_path, s))
+        assert all(np.isfinite(np.asarray(x)).all() for x in leaves), s
+    assert not (tmp_path / "result.json").exists()
+
+    out = run(tmp_path, fashion_mnist_dir, *diverge, "--config.skip_nonfinite=True")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming at step {max(kept)}" in out.stderr
+    skipped = result(tmp_path)["skipped_steps"]
+    assert skipped > 0
+    assert f"done, {skipped} of 32 updates skipped (non-finite): top-1 error" in out.stdout
+    assert f"{skipped} of 32 updates skipped so far" in out.stderr
+    assert foreign_lines(out.stdout + out.stderr) == []
+
+
+def test_sigterm_during_start_up_is_one_line_and_releases_the_lock(tmp_path, fashion_mnist_dir):
+    """Issue 35, case 9: a SIGTERM while the run starts (its lock taken, no step yet) is
+    the preemption line on stdout, exit 0 (the sweep resumes such a run), nothing on
+    stderr, and the lock released for the rerun."""
+    proc = start(tmp_path, fashion_mnist_dir)
+    lock = tmp_path / WorkdirLock.NAME
+    deadline = time.time() + 120
+    while not lock.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert out.startswith("preempted (SIGTERM) before the first step") and out.count("\n") == 1
+    assert err == "" and not lock.exists() and checkpoint_steps(tmp_path) == []
+
+
 # The fields of configs/base.py when workdirs began to record their config (c26c9e8).
 RECORDED_SINCE_THE_START = """
 accum_loop accum_steps base_batch_size base_lr batch_size bn_epsilon bn_group_size
@@ -226,18 +353,23 @@ def make_folder(root: Path, bad: bool) -> None:
         (root / "val" / "a" / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1" + bytes(64))
 
 
+def prepare_pets(root, data_dir, *flags) -> list[str]:
+    """The prepare command of the image folder `root` as dataset image_folder/pets."""
+    return [
+        sys.executable,
+        "-m",
+        "largebatch_jax.data.prepare",
+        "image_folder",
+        f"--root={root}",
+        "--name=pets",
+        f"--data_dir={data_dir}",
+        *flags,
+    ]
+
+
 def prepare(root, data_dir, *flags):
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "largebatch_jax.data.prepare",
-            "image_folder",
-            f"--root={root}",
-            "--name=pets",
-            f"--data_dir={data_dir}",
-            *flags,
-        ],
+        prepare_pets(root, data_dir, *flags),
         cwd=ROOT,
         env=env(),
         capture_output=True,
@@ -280,6 +412,119 @@ def test_prepare_leaves_out_undecodable_files_and_refuses_a_changed_folder(tmp_p
     redone = prepare(tmp_path / "bad", tmp_path / "tfds", "--overwrite")
     assert redone.returncode == 0, redone.stderr[-3000:]
     assert len(records(tmp_path / "tfds", "train")) == 17
+
+
+BAD_FOLDERS = {
+    # case: (change to a good folder, words of the one error line)
+    "val_classes_empty": ("rm val/a/* val/b/*", ["val/ holds no image", "add images"]),
+    "class_only_in_val": ("mkdir val/c && cp val/a/1.jpg val/c/", ["val/c/ is a class that"]),
+    "empty_train_class": ("mkdir train/c", ["train/c/ holds no image", "cannot be learned"]),
+    "name_outside": ("--name=../../x", ["'../../x' is not a plain name", "--name=pets"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FOLDERS))
+def test_a_bad_image_folder_is_one_line(tmp_path, case):
+    """Issue 35, case 8: an image folder that cannot make a dataset (a val/ of empty
+    class folders, a class only in val/, an empty class folder in train/) or a --name
+    that would leave data_dir: exit 2, one line naming it and the fix, nothing written."""
+    make_folder(tmp_path / "pets", bad=False)
+    change, words = BAD_FOLDERS[case]
+    flags = [change] if change.startswith("--") else []
+    if not flags:
+        subprocess.run(["bash", "-c", change], cwd=tmp_path / "pets", check=True)
+    out = prepare(tmp_path / "pets", tmp_path / "tfds", *flags)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.count("\n") == 1, out.stderr
+    one_error(out, *words)
+    assert not (tmp_path / "tfds" / "image_folder").exists() or not any(
+        (tmp_path / "tfds" / "image_folder").rglob("dataset_info.json")
+    )
+    assert not (tmp_path / "x").exists()
+
+
+def test_prepare_reports_empty_val_classes_and_decodes_16_bit_pngs(tmp_path):
+    """Issue 35, case 8: a class with no validation image is named in the summary line;
+    a 16-bit grayscale PNG trains as its own pixels (its 8 high bits), not as white."""
+    import io
+
+    from PIL import Image
+
+    from largebatch_jax.data import transforms
+
+    make_folder(tmp_path / "pets", bad=False)
+    for f in (tmp_path / "pets" / "val" / "b").iterdir():
+        f.unlink()
+    out = prepare(tmp_path / "pets", tmp_path / "tfds")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "(1 class(es) with no validation image: b)" in out.stdout, out.stdout
+    assert "prepared image_folder/pets in " in out.stdout and out.stderr == "", out.stderr
+
+    ramp = (np.arange(32 * 32, dtype=np.uint32).reshape(32, 32) * 64).astype(np.uint16)
+    buf = io.BytesIO()
+    Image.fromarray(ramp).save(buf, format="PNG")
+    assert Image.open(io.BytesIO(buf.getvalue())).mode.startswith("I")
+    pixels = np.asarray(transforms._pil_rgb(buf.getvalue()))
+    assert pixels.shape == (32, 32, 3)
+    np.testing.assert_array_equal(pixels[..., 0], (ramp >> 8).astype(np.uint8))
+
+
+@pytest.mark.skipif(UNSHARE is None, reason="needs unshare(1) to mount a read-only tmpfs")
+def test_prepare_into_a_read_only_data_dir_is_one_line(tmp_path):
+    """Issue 35, case 8: --data_dir on a read-only file system: exit 2, one line."""
+    make_folder(tmp_path / "pets", bad=False)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    main = shlex.join(prepare_pets(tmp_path / "pets", f"{ro}/tfds"))
+    script = f"mount -t tmpfs -o ro,size=1m tmpfs {ro} || exit 99\n{main}"
+    done = subprocess.run(
+        [UNSHARE, "-r", "-m", "bash", "-c", script],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode == 99:
+        pytest.skip("cannot mount a tmpfs in a user namespace here")
+    assert done.returncode == 2, done.stderr[-3000:]
+    one_error(done, f"--data_dir={ro}/tfds is not writable (Read-only file system)")
+    assert done.stderr.count("\n") == 1 and done.stdout == "", done.stderr
+
+
+def test_concurrent_and_killed_prepares(tmp_path):
+    """Issue 35, case 8: a second prepare of a dataset being prepared stops with one
+    line; a prepare killed (SIGKILL) half-way leaves its lock and tfds's incomplete.*
+    folder, which the next prepare replaces and removes, one line each, before it
+    prepares the dataset whole."""
+    make_folder(tmp_path / "pets", bad=False)
+    first = subprocess.Popen(
+        prepare_pets(tmp_path / "pets", tmp_path / "tfds"),
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    folder = tmp_path / "tfds" / "image_folder" / "pets"
+    deadline = time.time() + 120
+    while not list(folder.glob("incomplete.*")) and time.time() < deadline:
+        assert first.poll() is None, first.communicate()
+        time.sleep(0.01)
+    first.send_signal(signal.SIGSTOP)  # held half-way, as a slow prepare would be
+    second = prepare(tmp_path / "pets", tmp_path / "tfds")
+    assert second.returncode == 2, second.stderr[-3000:]
+    one_error(second, f"{folder} is being prepared by another process (pid {first.pid}")
+    first.kill()
+    first.communicate()
+    assert list(folder.glob("incomplete.*"))
+    again = prepare(tmp_path / "pets", tmp_path / "tfds")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "removed 1 unfinished folder(s) of an interrupted prepare" in again.stdout
+    assert not list(folder.glob("incomplete.*"))
+    assert again.stderr.startswith("warning: replaced the stale lock ")  # the killed one's
+    assert f" of pid {first.pid} " in again.stderr and again.stderr.count("\n") == 1
+    assert len(records(tmp_path / "tfds", "train")) == 16
 
 
 FOLDER_RUN = (
@@ -358,7 +603,7 @@ def test_second_run_in_a_workdir_is_refused_and_sigint_keeps_every_checkpoint(
     assert "Traceback" not in stderr, stderr[-3000:]
     kept = readable_checkpoints(workdir)
     assert f"checkpoints at steps {kept}" in lines[0]
-    assert not (workdir / wd.WorkdirLock.NAME).exists()
+    assert not (workdir / WorkdirLock.NAME).exists()
     out = run(workdir, fashion_mnist_dir, *LONGER)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"resuming at step {max(kept)}" in out.stderr
@@ -372,23 +617,23 @@ def test_lock_staleness(tmp_path):
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
     dead_pid = int(gone.stdout)
-    lock = wd.WorkdirLock(tmp_path)
+    lock = WorkdirLock(tmp_path)
     lock.path.write_text(json.dumps({"pid": dead_pid, "host": lock.me["host"], "since": "x"}))
     assert "stale lock" in lock.acquire()
     with pytest.raises(wd.WorkdirError, match=r"in use by another run \(pid \d+ on "):
-        wd.WorkdirLock(tmp_path).acquire()  # this process holds it
+        WorkdirLock(tmp_path).acquire()  # this process holds it
     old = time.time() - 120
     os.utime(lock.path, (old, old))  # a stopped run: on its own host the pid decides
     with pytest.raises(wd.WorkdirError, match="in use by another run"):
-        wd.WorkdirLock(tmp_path).acquire()
+        WorkdirLock(tmp_path).acquire()
     lock.release()
     assert not lock.path.exists()
     lock.path.write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "x"}))
     with pytest.raises(wd.WorkdirError, match="pid 1 on elsewhere, since x"):
-        wd.WorkdirLock(tmp_path).acquire()
+        WorkdirLock(tmp_path).acquire()
     old = time.time() - 120
     os.utime(lock.path, (old, old))  # elsewhere's heartbeat stopped two minutes ago
-    other = wd.WorkdirLock(tmp_path)
+    other = WorkdirLock(tmp_path)
     assert "stale lock" in other.acquire()
     other.release()
 
@@ -399,9 +644,9 @@ def test_a_lock_naming_a_reused_pid_or_torn_is_stale(tmp_path):
     empty or torn lock a few seconds old; the lock of the live process it names is not."""
     innocent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        started = wd.process_start_time(innocent.pid)
+        started = process_start_time(innocent.pid)
         assert started is not None
-        lock = wd.WorkdirLock(tmp_path)
+        lock = WorkdirLock(tmp_path)
         holder = {"pid": innocent.pid, "host": lock.me["host"], "since": "x"}
         lock.path.write_text(json.dumps({**holder, "started": started}))
         with pytest.raises(wd.WorkdirError, match=f"pid {innocent.pid} on"):
@@ -413,11 +658,11 @@ def test_a_lock_naming_a_reused_pid_or_torn_is_stale(tmp_path):
         innocent.kill()
         innocent.wait()
     for torn in ("", '{"pid": 12'):
-        lock = wd.WorkdirLock(tmp_path)
+        lock = WorkdirLock(tmp_path)
         lock.path.write_text(torn)
         with pytest.raises(wd.WorkdirError, match="being locked by another run this instant"):
             lock.acquire()  # being written this instant
-        old = time.time() - 2 * wd.WorkdirLock.TORN_SECONDS
+        old = time.time() - 2 * WorkdirLock.TORN_SECONDS
         os.utime(lock.path, (old, old))
         assert "stale lock" in lock.acquire()
         lock.release()
@@ -444,9 +689,6 @@ def test_a_save_is_not_started_without_room_for_it(tmp_path, monkeypatch):
     assert e.value.errno == errno.ENOSPC and wd.is_disk_full(e.value)
     ckpt.close()
     assert ckpt.steps() == [0] and os.listdir(tmp_path / "checkpoints") == ["0"]
-
-
-UNSHARE = shutil.which("unshare")
 
 
 @pytest.mark.skipif(UNSHARE is None, reason="needs unshare(1) to mount a small tmpfs")

@@ -23,6 +23,7 @@ from tests.runs import (
     command,
     env,
     final_state,
+    foreign_lines,
     metrics_size,
     result,
     run,
@@ -246,11 +247,12 @@ def test_a_dead_process_then_a_sigterm_and_the_run_still_ends_bit_identical(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("differ", ["config", "workdir"])
+@pytest.mark.parametrize("differ", ["config", "workdir", "devices"])
 def test_processes_that_disagree_stop_with_exit_2(tmp_path, fashion_mnist_dir, differ):
-    """Two processes of one run with different configs, or each with a workdir of its
-    own (a local folder on each host: process 0 would wait forever in the first save):
-    both stop at start-up with exit 2 and one line naming the problem, nothing saved."""
+    """Two processes of one run with different configs, each with a workdir of its own
+    (a local folder on each host: process 0 would wait forever in the first save), or
+    with 4 and 2 devices: both stop at start-up with exit 2 and one line naming the
+    problem, nothing saved."""
     coordinator = f"127.0.0.1:{launch.free_port()}"
     workdirs = [tmp_path / "a", tmp_path / ("b" if differ == "workdir" else "a")]
     procs = [
@@ -264,7 +266,7 @@ def test_processes_that_disagree_stop_with_exit_2(tmp_path, fashion_mnist_dir, d
                 k,
             ),
             cwd=ROOT,
-            env=launch.process_env(4, env()),
+            env=launch.process_env(2 if k and differ == "devices" else 4, env()),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -275,6 +277,7 @@ def test_processes_that_disagree_stop_with_exit_2(tmp_path, fashion_mnist_dir, d
     expected = {
         "config": "process 1 has config.seed=1 but process 0 has 0",
         "workdir": "is not one folder that every process sees: process 1 of 2 cannot see",
+        "devices": "process 1 has local devices=2 but process 0 has 4",
     }[differ]
     for p, (_, stderr) in zip(procs, outs, strict=True):
         assert p.returncode == 2, stderr[-3000:]
@@ -283,6 +286,40 @@ def test_processes_that_disagree_stop_with_exit_2(tmp_path, fashion_mnist_dir, d
     for workdir in workdirs:
         assert not checkpoint_steps(workdir)
         assert not (workdir / "run.lock").exists()
+
+
+@pytest.mark.parametrize("case", ["port_in_use", "never_joined"])
+def test_a_start_up_that_cannot_join_is_one_line(tmp_path, case):
+    """Issue 35, case 7: process 0 of 2 whose coordinator port another program holds
+    (JAX would crash binding it), or whose process 1 never starts: exit 2 and one line
+    naming the problem and the fix, after at most the join timeout (here 5 s)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1] if case == "port_in_use" else launch.free_port()
+        main = command(tmp_path, tmp_path / "no_data")[1:]
+        out = subprocess.run(
+            [
+                *launch.process_command(main, f"127.0.0.1:{port}", 2, 0),
+                "--initialization_timeout_seconds=5",
+            ],
+            cwd=ROOT,
+            env=launch.process_env(4, env()),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode == 2, out.stderr[-3000:]
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    if case == "port_in_use":
+        assert f"port {port} cannot be used on this host" in line and "free port" in line
+    else:
+        assert "processes did not all join the run at 127.0.0.1:" in line, line
+        assert "within 5 s" in line and "--initialization_timeout_seconds" in line
+    assert foreign_lines(out.stdout + out.stderr) == [], out.stderr[-3000:]
+    assert not (tmp_path / "checkpoints").exists()
 
 
 # ------------------------------------------------------------------ the launcher alone
@@ -312,6 +349,68 @@ def test_launcher_names_the_failed_process_and_stops_the_others(tmp_path):
     assert "[p0] hello from 0" in out.stdout and "[p1] hello from 1" in out.stdout
     assert "[launch] process 1" in out.stderr and "exited with code 3" in out.stderr
     assert "killing process 0" in out.stderr
+
+
+STOPS = """
+import os, signal, sys, time
+k = int([a for a in sys.argv if a.startswith("--process_id=")][0].split("=")[1])
+print("pid", os.getpid(), flush=True)
+if k == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)  # a frozen host: alive, silent
+time.sleep(1)
+sys.exit(1)  # process 0 gives up on its silent peer, as JAX's heartbeat check does
+"""
+
+
+def test_launcher_blames_a_stopped_process_not_the_one_that_lost_it(tmp_path):
+    """Issue 35, case 7: process 1 stopped (SIGSTOP), process 0 then fails: the launcher
+    names process 1 as the cause, and still stops it."""
+    script = tmp_path / "stops.py"
+    script.write_text(STOPS)
+    out = subprocess.run(
+        [*launch_command(2, 1, grace=1), str(script)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 1, out.stderr
+    assert "because process 1 (pid " in out.stderr and "is stopped (SIGSTOP" in out.stderr
+    assert "[launch] failed: process 1 was stopped; process 0 exited with code 1" in out.stderr
+
+
+SLEEPS = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM", flush=True), sys.exit(0)))
+print("pid", os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_launcher_stops_its_processes(tmp_path):
+    """Issue 35, case 7: SIGKILL to the launcher (no chance to forward anything): each
+    process gets SIGTERM (a preemption: save and stop), none is left running."""
+    script = tmp_path / "sleeps.py"
+    script.write_text(SLEEPS)
+    launcher = subprocess.Popen(
+        [*launch_command(2, 1), str(script)], stdout=subprocess.PIPE, text=True
+    )
+    pids = []
+    while len(pids) < 2:
+        line = launcher.stdout.readline()
+        assert line, "the launcher ended before its processes started"
+        if " pid " in line:
+            pids.append(int(line.split()[-1]))
+    launcher.kill()
+    launcher.wait()
+    deadline = time.time() + 20
+    while time.time() < deadline and any(map(running, pids)):
+        time.sleep(0.05)
+    assert not any(map(running, pids)), pids
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit status waits for whoever adopted it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_launcher_environment_and_command():

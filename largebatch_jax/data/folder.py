@@ -34,10 +34,14 @@ class Scan:
     files: dict[str, list[str]]
     skipped: list[tuple[str, str]]
     fingerprint: str
+    no_val: list[str] = dataclasses.field(default_factory=list)  # classes without val images
 
     def summary(self, limit: int = 10) -> str:
         kept = sum(len(v) for v in self.files.values())
         line = f"{kept} images in {len(self.classes)} classes from {self.root}"
+        if self.no_val:
+            named = ", ".join(self.no_val[:limit]) + (" ..." if len(self.no_val) > limit else "")
+            line += f" ({len(self.no_val)} class(es) with no validation image: {named})"
         if not self.skipped:
             return line
         named = ", ".join(f"{p} ({why})" for p, why in self.skipped[:limit])
@@ -61,9 +65,17 @@ def _undecodable(path: Path) -> str | None:
 def scan(root: str | Path, workers: int | None = None) -> Scan:
     """Every file under root/train/<class>/ and root/val/<class>/, each decoded once."""
     root = Path(root).absolute()
-    if not (root / "train").is_dir():
-        raise ValueError(f"image folder {root}: no train/ sub-folder of classes")
+    for sub in SPLIT_DIRS.values():
+        if not (root / sub).is_dir():
+            raise ValueError(f"image folder {root}: no {sub}/ sub-folder of classes")
     classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
+    extra = sorted(p.name for p in (root / "val").iterdir() if p.is_dir() and p.name not in classes)
+    if extra:
+        raise ValueError(
+            f"image folder {root}: val/{extra[0]}/ is a class that train/ does not have "
+            f"({len(extra)} such): the model would never be trained on it; add "
+            f"train/{extra[0]}/ with its images or remove val/{extra[0]}/."
+        )
     listed = {
         split: [
             f"{sub}/{cls}/{f.name}"
@@ -82,13 +94,35 @@ def scan(root: str | Path, workers: int | None = None) -> Scan:
     with ThreadPoolExecutor(workers or os.cpu_count()) as pool:  # PIL releases the GIL
         reasons = list(pool.map(lambda p: _undecodable(root / p), everything))
     errors = dict(zip(everything, reasons, strict=True))
-    return Scan(
+    found = Scan(
         root=root,
         classes=classes,
         files={s: [p for p in paths if errors[p] is None] for s, paths in listed.items()},
         skipped=[(p, errors[p]) for p in everything if errors[p] is not None],
         fingerprint=digest.hexdigest(),
     )
+    _check_classes(found)
+    return found
+
+
+def _check_classes(found: Scan) -> None:
+    """Every class has training images (one without cannot be learned) and val/ has
+    images; a class with none in val/ is named in the summary line."""
+    for split, sub in SPLIT_DIRS.items():
+        if not found.files[split]:
+            raise ValueError(
+                f"image folder {found.root}: {sub}/ holds no image in its class folders: "
+                f"add images to {sub}/<class>/."
+            )
+    with_images = {split: {p.split("/")[1] for p in found.files[split]} for split in SPLIT_DIRS}
+    empty = [c for c in found.classes if c not in with_images["train"]]
+    if empty:
+        raise ValueError(
+            f"image folder {found.root}: train/{empty[0]}/ holds no image ({len(empty)} such "
+            f"class folder(s)): a class without training images cannot be learned; add "
+            f"images to it or remove it."
+        )
+    found.no_val = [c for c in found.classes if c not in with_images["validation"]]
 
 
 def recorded_source(version_dir: Path) -> dict | None:

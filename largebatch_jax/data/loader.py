@@ -223,8 +223,7 @@ class TrainLoader:
     def close(self) -> None:
         """Stop the decoding workers now. Left to grain's exit-time finalizer after an
         error, their shutdown can race another close and print a traceback."""
-        if self._iter is not None and hasattr(self._iter, "close"):
-            self._iter.close()
+        close_iterator(self._iter)
         self._iter = None
 
     def get_state(self) -> dict:
@@ -300,3 +299,11 @@ def _iterate(batches: grain.MapDataset, threads: int, workers: int, prefetch: in
             grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=prefetch)
         )
     return iter(it)
+
+
+def close_iterator(batches: Iterator | None) -> None:
+    """Stop an iterator of `_iterate` now: its worker processes, and the shared memory of
+    the batches they had made ahead (at exit, the resource tracker reports those as
+    leaked)."""
+    if batches is not None and hasattr(batches, "close"):
+        batches.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -99,7 +100,28 @@ def prepare_command(name: str, data_dir: str) -> str:
 
 
 def _folder_dir(name: str, data_dir: str) -> Path:
-    return Path(data_dir) / "image_folder" / name[len(FOLDER_PREFIX) :]
+    return Path(data_dir) / "image_folder" / folder_name(name[len(FOLDER_PREFIX) :])
+
+
+def folder_name(short: str) -> str:
+    """An image folder dataset's name, checked: one plain folder name, so that it stays
+    inside data_dir/image_folder/ (ValueError otherwise)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", short) or ".." in short:
+        raise ValueError(
+            f"image folder name {short!r} is not a plain name (letters, digits, '_', '-', "
+            "'.'; no '/' or '..'): choose one, e.g. --name=pets."
+        )
+    return short
+
+
+def dataset_folder(name: str, data_dir: str, root: str | None = None) -> Path:
+    """The folder of a dataset's prepared versions under data_dir (and of tfds's
+    `incomplete.*` folders while it prepares one)."""
+    if name == "image_folder":
+        return Path(data_dir) / "image_folder" / folder_name(Path(root or "").name)
+    if name.startswith(FOLDER_PREFIX):
+        return _folder_dir(name, data_dir)
+    return Path(data_dir) / name
 
 
 def _builder(name: str, data_dir: str) -> Any:
@@ -377,6 +399,7 @@ def prepare(
         if not root:
             raise DatasetNotPreparedError("image_folder needs --root (with train/ and val/)")
         short = name[len(FOLDER_PREFIX) :] if name.startswith(FOLDER_PREFIX) else Path(root).name
+        folder_name(short)
         try:
             found = folder.scan(root)
         except ValueError as e:

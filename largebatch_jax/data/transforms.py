@@ -88,6 +88,8 @@ def decode_error(encoded: bytes) -> str | None:
 
 def _pil_rgb(encoded: bytes) -> Image.Image:
     image = _open(encoded)
+    if image.mode.startswith("I"):  # 16-bit grayscale (a PNG): PIL's convert would clip it
+        image = Image.fromarray((np.clip(np.asarray(image), 0, 65535) >> 8).astype(np.uint8))
     return image if image.mode == "RGB" else image.convert("RGB")  # grayscale, CMYK
 
 
