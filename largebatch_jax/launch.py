@@ -65,9 +65,10 @@ def process_command(
     ]
 
 
-# Gloo prints a line per device when the collectives connect (lines of two devices can
-# interleave): noise.
-_NOISE = re.compile(r"\[Gloo\] Rank|is connected to \d+ peer ranks")
+# Gloo prints a line per device when the collectives connect ("[Gloo] Rank 3 is connected
+# to 7 peer ranks. Expected number of connected peer ranks is : 7"), in pieces that the
+# devices' threads interleave, leaving fragments down to a bare number ("7"): noise.
+_NOISE = re.compile(r"\[Gloo\]|peer ranks|^\s*\d+\s*$")
 
 
 def _forward(stream: TextIO, out: TextIO, prefix: str, lock: threading.Lock) -> None:

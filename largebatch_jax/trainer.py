@@ -455,7 +455,9 @@ class MetricBuffer:
     def add(self, step: int, metrics: dict) -> None:
         self.pending.append((step, metrics))
 
-    def flush(self, step: int) -> None:
+    def flush(self, step: int, write: bool = True) -> None:
+        """`write=False`: count the pending steps (the epoch sums a checkpoint carries)
+        without a metrics row, at a step where an uninterrupted run writes none."""
         if not self.pending:
             return
         steps = [s for s, _ in self.pending]
@@ -472,7 +474,8 @@ class MetricBuffer:
                 self.run.host.skipped,
                 step,
             )
-        self._write(step, fetched[-1])
+        if write:
+            self._write(step, fetched[-1])
 
     def _count(self, step: int, m: dict) -> None:
         run, spe = self.run, self.run.data.steps_per_epoch
@@ -611,7 +614,9 @@ def train(run: Run, writer: Any, clock: TrainClock) -> int | None:
         clock.start()
         for step in range(run.host.step + 1, run.total_steps + 1):
             if preemption.reached(step - 1):
-                buffer.flush(step - 1)
+                # Every flush step of step - 1 has run: a row here would be one that the
+                # uninterrupted run does not have.
+                buffer.flush(step - 1, write=False)
                 _save(run, clock, step - 1)
                 return step - 1
             batch, run.host.data = next(batches)

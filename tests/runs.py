@@ -47,9 +47,9 @@ PROJECT_MODULES = {p.stem for p in ROOT.glob("largebatch_jax/**/*.py")} | {"main
 
 
 def foreign_lines(text: str) -> list[str]:
-    """The lines of a run's output that are not the project's: its log lines, `error:`,
-    `warning:`, `done`, `preempted` lines."""
-    own = ("error: ", "warning: ", "done", "preempted")
+    """The lines of a run's (or a prepare's) output that are not the project's: its log
+    lines, `error:`, `warning:`, `done`, `preempted`, `preparing`, `prepared` lines."""
+    own = ("error: ", "warning: ", "done", "preempted", "preparing ", "prepared ")
     return [
         x
         for x in text.splitlines()

@@ -50,10 +50,11 @@ def sha(workdir) -> str:
 
 
 def one_error(out, *words) -> str:
-    """The run's single `error:` line, with no traceback, containing every word."""
+    """The run's single `error:` line, containing every word; every other line of its
+    output is the project's own (no traceback, no library's start-up lines)."""
     lines = error_lines(out.stderr)
     assert len(lines) == 1, out.stderr[-3000:]
-    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert foreign_lines(out.stdout + out.stderr) == [], out.stderr[-3000:]  # no library noise
     for w in words:
         assert w in lines[0], lines[0]
     return lines[0]

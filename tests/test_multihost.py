@@ -413,6 +413,22 @@ def running(pid: int) -> bool:
         return False
 
 
+def test_launcher_drops_gloo_lines_and_their_interleaved_pieces():
+    """Issue 35, case 7: a resumed 2-process run printed a stray `[p1] 7`, a piece of
+    Gloo's connection line cut by another device's thread."""
+    import io
+    import threading
+
+    noisy = (
+        "[Gloo] Rank 1 is connected to 7 peer ranks. Expected number of connected peer "
+        "ranks is : 7\n[Gloo] Rank 2 is connected to  peer ranks. Expected number of "
+        "connected peer ranks is : 7\n7\nstep 8/64\n 7 \nthe run's own line: 7 steps\n"
+    )
+    out = io.StringIO()
+    launch._forward(io.StringIO(noisy), out, "[p1] ", threading.Lock())
+    assert out.getvalue() == "[p1] step 8/64\n[p1] the run's own line: 7 steps\n"
+
+
 def test_launcher_environment_and_command():
     env_ = launch.process_env(4, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --a=b"})
     assert env_["XLA_FLAGS"].split() == ["--a=b", "--xla_force_host_platform_device_count=4"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -307,3 +308,23 @@ def close_iterator(batches: Iterator | None) -> None:
     leaked)."""
     if batches is not None and hasattr(batches, "close"):
         batches.close()
+        _finish_unlinking()
+
+
+def _finish_unlinking() -> None:
+    """grain unlinks the shared memory of each batch its worker processes made once the
+    program drops the batch, in a thread pool of its own; wait for that pool, or the
+    resource tracker reports the unlinks still queued at exit as leaked objects (grain
+    0.2; a private attribute, so looked up defensively). The next prefetching iterator
+    starts a new pool."""
+    try:
+        from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
+    except ImportError:
+        return
+    pool = getattr(SharedMemoryArray, "_del_thread_pool", None)
+    if pool is None:
+        return
+    gc.collect()  # batches in reference cycles: dropped now, their unlinks queued
+    pool.close()
+    pool.join()
+    SharedMemoryArray._del_thread_pool = None
