@@ -291,7 +291,8 @@ def make_train_step(
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # A non-finite loss, gradient or updated state (a finite gradient times an
-        # overflowing learning rate) leaves the state as it was (the step still counts),
+        # overflowing learning rate; the norms overflow once a value passes ~1e19, which
+        # only a diverged run reaches) leaves the state as it was (the step still counts),
         # so the state in memory, and every checkpoint, is a good one; the loop stops or
         # skips on the flag.
         grad_norm, new_norm = norm(grads), norm(params)

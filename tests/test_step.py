@@ -483,3 +483,25 @@ def test_pixels_become_float32_one_micro_batch_at_a_time(reduction):
     converted = re.findall(r"stablehlo\.convert %\S+ : \(tensor<(\d+)x28x28x1xui8>\)", text)
     per_step = 8 if reduction == "fast" else config.bn_group_size  # a micro-step / a group
     assert converted and {int(n) for n in converted} == {per_step}, converted
+
+
+def test_an_overflowing_update_keeps_the_state_and_raises_the_flag():
+    """Issue 35, case 3: a finite loss and gradient times an overflowing learning rate
+    (the diverging run's first bad step): the update is flagged non-finite and the state
+    keeps its parameters, BN statistics and momentum (the step and the schedule's count
+    advance), so no checkpoint can hold the overflow."""
+    huge = optim.create_optimizer(lambda step: jnp.float32(1e30), weight_decay=1e-4)
+    engine = parallel.DataParallel(parallel.create_mesh(jax.devices()[:2]))
+    step = engine.map(step_lib.make_train_step(model(), huge, lambda step: 1e30))
+    before = jax.device_get(
+        step_lib.create_train_state(jax.random.key(0), model(), huge, (SIZE, SIZE, 1))
+    )
+    state, metrics = step(engine.replicate(before), engine.shard_batch(BATCHES[0]))
+    metrics, state = jax.device_get((metrics, state))
+    assert np.isfinite(metrics["train_loss"]) and np.isfinite(metrics["grad_norm"])
+    assert metrics["nonfinite"] == 1.0 and int(state.step) == 1
+    assert digest(float_leaves(state)) == digest(float_leaves(before))  # counters advance
+
+
+def float_leaves(tree) -> list:
+    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
