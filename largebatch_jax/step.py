@@ -314,7 +314,7 @@ def make_train_step(
             "train_error": error,
             "learning_rate": jnp.asarray(learning_rate_fn(state.step), jnp.float32),
             "grad_norm": grad_norm,
-            "param_norm": jnp.where(finite, new_norm, norm(state.params)),
+            "param_norm": new_norm,  # of the update's parameters (not finite when skipped)
         }
         return new_state, metrics
 

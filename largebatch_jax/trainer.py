@@ -317,6 +317,7 @@ def build(config: Any, workdir: str | Path) -> Run:
     work = wd.resolve(workdir)
     wd.check_writable(work)
     lock = _lock_workdir(work)
+    ckpt = None
     try:
         data = load_data(config)
         ckpt = Checkpointer(work / "checkpoints", config.keep_checkpoints, wd.run_identity(config))
@@ -339,6 +340,8 @@ def build(config: Any, workdir: str | Path) -> Run:
             is_main=jax.process_index() == 0,
         )
     except BaseException:
+        if ckpt is not None:  # its threads, left open, log an error at exit
+            _Closer(("checkpoints", ckpt.close)).close(quiet=True)
         if lock is not None:
             lock.release()
         raise
