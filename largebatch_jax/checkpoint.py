@@ -89,6 +89,10 @@ class Checkpointer:
             ),
             item_names=("state", "host"),
         )
+        # That clean-up runs in a thread of orbax's; a run that stops at start-up (a config
+        # refused) would exit under it, and the thread logs an error. Wait for it here
+        # (a private method of orbax 0.12, looked up defensively).
+        getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
 
     def steps(self) -> list[int]:
         """The finished checkpoints on disk (a save in progress is a temporary directory)."""
