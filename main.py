@@ -19,14 +19,19 @@ from pathlib import Path
 
 def _stopped_outside_the_loop(signum, frame):
     """SIGTERM before the first step or after the last (the loop handles its own): no
-    step is lost, so one line and exit 0, as for a preemption inside the loop."""
+    step is lost, so one line and exit 0, as for a preemption inside the loop. The
+    process exits at once, its workdir lock released: an exception raised here can land
+    in code that swallows it (a __del__) and the run would go on."""
     del signum, frame
+    from largebatch_jax import lock
+
     print(
         "preempted (SIGTERM) before the first step or after the last: nothing is lost; "
         "rerun the same command to go on",
         flush=True,
     )
-    raise SystemExit(0)  # through every `finally`: a lock taken is released
+    lock.release_held()
+    os._exit(0)
 
 
 signal.signal(signal.SIGTERM, _stopped_outside_the_loop)

@@ -19,6 +19,15 @@ class WorkdirError(Exception):
     """The workdir cannot hold the run (in use, not writable, full); one line."""
 
 
+_HELD: list = []  # the locks this process holds (release_held, for an exit without unwinding)
+
+
+def release_held() -> None:
+    """Release every lock this process holds (before an `os._exit`)."""
+    for lock in list(_HELD):
+        lock.release()
+
+
 class WorkdirLock:
     """One run per workdir: `run.lock` names the process holding it (pid, its start time,
     host, since) and a random token.
@@ -72,6 +81,7 @@ class WorkdirLock:
                 f.write(json.dumps(self.me) + "\n")
             self._beat = threading.Thread(target=self._heartbeat, daemon=True)
             self._beat.start()
+            _HELD.append(self)
             return note
         holder, _ = self._holder()
         raise WorkdirError(self._busy_message(holder))
@@ -122,6 +132,8 @@ class WorkdirLock:
                 os.utime(self.path)
 
     def release(self) -> None:
+        if self in _HELD:
+            _HELD.remove(self)
         self._stop.set()
         holder, _ = self._holder()
         if holder.get("pid") == self.me["pid"] and holder.get("since") == self.me["since"]:
