@@ -11,7 +11,9 @@ this script's estimate from the HLO text, split by where the op runs (the entry
 computation, the body of a while loop, other called computations): every top-level op's
 operand and result bytes (fusions as one op; parameters, constants, tuples, bitcasts and
 get-tuple-elements move nothing). Then the ops by opcode and the largest ops of the
-exact step with the JAX operation they come from. `--dump` writes both HLO texts.
+program with the JAX operation they come from. The exact step is a chain of programs
+(`largebatch_jax/grouped.py`): each is shown on its own, and the totals count each as
+often as a step runs it. `--dump` writes every program's HLO text.
 """
 
 from __future__ import annotations
@@ -107,42 +109,59 @@ def main(argv=None) -> None:
             where.engine, args.per_chip_batch, training.input_shape, np.uint8
         )
         compiled = training.train_step.lower(training.state, batch).compile()
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list | tuple) else cost
-        text = texts[reduction] = compiled.as_text()
-        program = hlo.parse(text)
-        role_of = roles(program)
-        shapes = {ins.name: ins.shape for ins in program}
-        ops = top_level(program, role_of)
-        by_role = collections.Counter()
-        for ins in ops:
-            by_role[role_of[ins.computation]] += traffic(ins, shapes, hlo)
+        # The exact step is a chain of programs (largebatch_jax/grouped.py); each is read
+        # on its own, its bytes counted as often as a step runs it.
+        chain = getattr(compiled, "programs", None)
+        parts = [(p.name, p.runs, p.program) for p in chain] if chain else [("step", 1, compiled)]
+        total = collections.Counter()
+        for name, runs, part in parts:
+            cost = part.cost_analysis()
+            cost = cost[0] if isinstance(cost, list | tuple) else cost
+            total["bytes"] += runs * cost.get("bytes accessed", 0)
+            total["flops"] += runs * cost.get("flops", 0)
+            texts[f"{reduction}_{name}"] = part.as_text()
+            describe(f"{reduction} {name} x {runs}", cost, part.as_text(), hlo, args.top)
         print(
-            f"\n{reduction}: XLA bytes accessed {cost.get('bytes accessed', 0) / 1e9:.3f} GB, "
-            f"FLOPs {cost.get('flops', 0) / 1e9:.1f} G; estimate from the HLO: "
-            + ", ".join(f"{r} {b / 1e9:.3f} GB" for r, b in sorted(by_role.items()))
-            + f"; {sum(1 for i in program if i.opcode == 'while')} while loop(s)"
+            f"{reduction}: XLA bytes accessed per step {total['bytes'] / 1e9:.3f} GB, "
+            f"FLOPs {total['flops'] / 1e9:.1f} G"
         )
-        kinds = collections.Counter()
-        for ins in ops:
-            kind = ins.opcode
-            if ins.opcode == "fusion":
-                kind += ":" + (ins.attribute("kind") or "?")
-            kinds[(role_of[ins.computation], kind)] += traffic(ins, shapes, hlo)
-        for (role, kind), b in kinds.most_common(12):
-            print(f"  {role:10s} {kind:24s} {b / 1e9:8.3f} GB")
-        if reduction == "exact":
-            print(f"  the {args.top} largest ops of the exact step:")
-            for ins in sorted(ops, key=lambda i: -traffic(i, shapes, hlo))[: args.top]:
-                print(
-                    f"  {traffic(ins, shapes, hlo) / 1e6:9.1f} MB {role_of[ins.computation]:10s} "
-                    f"{ins.opcode:12s} {re.sub(r'{[^}]*}', '', ins.shape)[:60]:60s} "
-                    f"{ins.source[:70]}"
-                )
     if args.dump:
         Path(args.dump).mkdir(parents=True, exist_ok=True)
         for reduction, text in texts.items():
             (Path(args.dump) / f"train_{reduction}.hlo.txt").write_text(text)
+
+
+def describe(name: str, cost: dict, text: str, hlo, top: int) -> None:
+    """One compiled program: XLA's bytes and FLOPs, the estimate from its HLO by where
+    the ops run and by kind, and its `top` largest ops."""
+    program = hlo.parse(text)
+    role_of = roles(program)
+    shapes = {ins.name: ins.shape for ins in program}
+    ops = top_level(program, role_of)
+    by_role = collections.Counter()
+    for ins in ops:
+        by_role[role_of[ins.computation]] += traffic(ins, shapes, hlo)
+    print(
+        f"\n{name}: XLA bytes accessed {cost.get('bytes accessed', 0) / 1e9:.3f} GB, "
+        f"FLOPs {cost.get('flops', 0) / 1e9:.1f} G; estimate from the HLO: "
+        + ", ".join(f"{r} {b / 1e9:.3f} GB" for r, b in sorted(by_role.items()))
+        + f"; {sum(1 for i in program if i.opcode == 'while')} while loop(s)"
+    )
+    kinds = collections.Counter()
+    for ins in ops:
+        kind = ins.opcode
+        if ins.opcode == "fusion":
+            kind += ":" + (ins.attribute("kind") or "?")
+        kinds[(role_of[ins.computation], kind)] += traffic(ins, shapes, hlo)
+    for (role, kind), b in kinds.most_common(12):
+        print(f"  {role:10s} {kind:24s} {b / 1e9:8.3f} GB")
+    print(f"  the {top} largest ops:")
+    for ins in sorted(ops, key=lambda i: -traffic(i, shapes, hlo))[:top]:
+        print(
+            f"  {traffic(ins, shapes, hlo) / 1e6:9.1f} MB {role_of[ins.computation]:10s} "
+            f"{ins.opcode:12s} {re.sub(r'{[^}]*}', '', ins.shape)[:60]:60s} "
+            f"{ins.source[:70]}"
+        )
 
 
 if __name__ == "__main__":

@@ -128,24 +128,20 @@ def vector_sum(x: jax.Array) -> jax.Array:
     return tree_sum(x.reshape(-1))
 
 
-def norm(tree: Any) -> jax.Array:
-    """The global L2 norm of a pytree: its squares summed in the fixed tree, over the
-    leaves flattened in pytree order."""
-    flat, _ = ravel_pytree(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree))
-    return jnp.sqrt(vector_sum(flat * flat))
-
-
-def device_sum(tree: Any, axis_name: str, num_devices: int) -> Any:
+def device_sum(tree: Any, axis_name: str, num_devices: int, divisor: int = 1) -> Any:
     """Inside a mapped step: the sum over devices of each device's `tree`, in device
     order, the same bits on every device. A deterministic all-reduce with a ring's
     bandwidth: the flattened tree is cut into `num_devices` slices, `all_to_all` gives
     device j every device's slice j, device j sums them in the fixed tree, and
-    `all_gather` returns the summed slices to all. Every leaf is float32."""
+    `all_gather` returns the summed slices to all. Every leaf is float32. `divisor`: the
+    sums divided by it (a mean), on the flat vector before it is cut into leaves, so that
+    each leaf is written once (divided leaf by leaf, each division read the whole
+    vector on the TPU compile)."""
     flat, unravel = ravel_pytree(tree)
     size = flat.shape[0]
     width = -(-size // num_devices)
     rows = jnp.pad(flat, (0, width * num_devices - size)).reshape(num_devices, width)
     # Row i of the result is device i's slice j (this device is j).
     gathered = jax.lax.all_to_all(rows, axis_name, split_axis=0, concat_axis=0, tiled=True)
-    summed = all_gather_invariant(tree_sum(gathered), axis_name, tiled=True)
-    return unravel(summed[:size])
+    summed = all_gather_invariant(tree_sum(gathered), axis_name, tiled=True)[:size]
+    return unravel(summed / divisor if divisor != 1 else summed)

@@ -306,13 +306,15 @@ class DataParallel:
         """Run `per_device_fn(state, batch)` on every device: state replicated, batch split
         along its leading axis; outputs must be reduced over AXIS (they are replicated).
         `compiler_options`: XLA options compiled into the program (`jax.jit`'s)."""
+        if self.parallelism == "pmap" and compiler_options:
+            raise ValueError(
+                f"parallelism='pmap' cannot compile with XLA options {dict(compiler_options)}"
+                " (the exact mode on GPU needs them): use parallelism='shard_map'."
+            )
+        if hasattr(per_device_fn, "map_with"):  # a chain of programs (grouped.GroupedStep)
+            return per_device_fn.map_with(self, donate_state, compiler_options)
         donate = (0,) if donate_state else ()
         if self.parallelism == "pmap":
-            if compiler_options:
-                raise ValueError(
-                    f"parallelism='pmap' cannot compile with XLA options {dict(compiler_options)}"
-                    " (the exact mode on GPU needs them): use parallelism='shard_map'."
-                )
             return jax.pmap(
                 per_device_fn,
                 axis_name=AXIS,

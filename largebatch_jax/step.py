@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from flax import linen as nn
 
-from largebatch_jax import exact, parallel
+from largebatch_jax import exact, grouped, parallel
 from largebatch_jax.parallel import AXIS
 
 REDUCTIONS = ("fast", "exact")
@@ -173,7 +173,7 @@ def make_train_step(
     reduction: str = "fast",
     bn_group_size: int | None = None,
     bn_momentum: float = 0.9,
-) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]] | grouped.GroupedStep:
     """The per-device SGD update (paper rules 7, 9, 15); map it with `DataParallel.map`.
 
     batch: {'image': [accum_steps * micro, H, W, C], 'label': [accum_steps * micro]}.
@@ -185,8 +185,10 @@ def make_train_step(
     on; default: this process's), see `parallel.resolve_accum_loop`; on GPU the loss and the
     training error are computed without a scatter or a sort. `normalize` maps the
     batch's pixels to the model's input (a `PixelNormalization`); None: used as given.
-    `reduction='exact'` (needs `bn_group_size` and the model's `bn_momentum`):
-    `exact_sums` instead of the micro-steps and `pmean`, bit-identical for every layout
+    `reduction='exact'` (needs `bn_group_size` and the model's `bn_momentum`): a
+    `grouped.GroupedStep` instead of the micro-steps and `pmean`: a program run per BN
+    group of n (`exact_group`), one that sums the groups in the fixed tree
+    (`exact_mean`) and one that updates (`exact_update`), bit-identical for every layout
     of the same kn and n; accum_steps and accum_loop then change nothing.
     """
     platform = platform or jax.default_backend()
@@ -198,7 +200,6 @@ def make_train_step(
         raise ValueError(f"reduction={reduction!r} is not one of {REDUCTIONS}.")
     if reduction == "exact" and not bn_group_size:
         raise ValueError("reduction='exact' needs bn_group_size.")
-    norm = exact.norm if reduction == "exact" else optax.tree.norm
 
     def loss_fn(params, batch_stats, images, labels):
         logits, updated = model.apply(
@@ -220,40 +221,33 @@ def make_train_step(
         (loss, (logits, stats)), grads = grad_fn(params, batch_stats, x, y)
         return grads, stats, loss, topk_errors(logits, y, 1, gpu).mean()
 
-    def exact_sums(state: TrainState, images, labels):
-        """The mean over the kn images of every group's gradient, BN statistics update,
-        loss and error, bit-identical on every layout: each group of n is one pass of one
-        compiled loop body (`exact.map_groups`), then the k groups are summed in the fixed
-        tree of `exact` (this device's block, then the devices in order) and divided by
-        k. A group sees running statistics of zero, so it returns (1 - momentum) x its
-        batch statistics; momentum x the old ones is added once, after the sum (inside
-        the body, XLA fused that product differently by layout: last-bit differences)."""
-        groups = images.shape[0] // bn_group_size
-        if groups & (groups - 1):
-            raise ValueError(
-                f"reduction='exact' needs a power-of-two number of BN groups per device, "
-                f"not {groups} ({images.shape[0]} images / bn_group_size={bn_group_size})."
-            )
-        local_params = _varying(state.params)
+    def exact_group(state: TrainState, batch: dict):
+        """One BN group's gradient, BN statistics update, loss and error (a program of its
+        own: `grouped`). The group sees running statistics of zero, so it returns
+        (1 - momentum) x its batch statistics; momentum x the old ones is added once, after
+        the sum (`exact_update`)."""
         zero_stats = jax.tree.map(jnp.zeros_like, state.batch_stats)
-        per_group = exact.map_groups(
-            lambda xy: group_step(local_params, zero_stats, *xy),
-            (
-                images.reshape(groups, bn_group_size, *images.shape[1:]),
-                labels.reshape(groups, bn_group_size),
-            ),
-            AXIS,
-        )
+        results = group_step(_varying(state.params), zero_stats, batch["image"], batch["label"])
+        return jax.tree.map(lambda r: r[None], results)
+
+    def exact_mean(results: tuple):
+        """The mean over the kn images of every group's results, bit-identical on every
+        layout: the k groups summed in the fixed tree of `exact` (this device's groups in
+        order, then the devices in order) and divided by k."""
+        stacked = jax.tree.map(lambda *r: jnp.concatenate(r), *results)
         devices = jax.lax.axis_size(AXIS)
-        total = exact.device_sum(exact.tree_sum_leaves(per_group), AXIS, devices)
-        grads, stats, loss, error = jax.tree.map(lambda s: s / (groups * devices), total)
+        groups = len(results) * devices
+        return exact.device_sum(exact.tree_sum_leaves(stacked), AXIS, devices, groups)
+
+    def exact_update(state: TrainState, means: tuple):
+        """The update from the means (a program of its own, the same in every layout, so
+        its reductions, the norms, round the same way everywhere)."""
+        grads, stats, loss, error = means
         stats = jax.tree.map(lambda old, new: bn_momentum * old + new, state.batch_stats, stats)
-        return grads, stats, loss, error
+        return update(state, grads, stats, loss, error)
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         images, labels = batch["image"], batch["label"]
-        if reduction == "exact":
-            return update(state, *exact_sums(state, images, labels))
         if images.shape[0] % accum_steps:
             raise ValueError(
                 f"accum_steps={accum_steps} does not divide the per-device batch {images.shape[0]}."
@@ -295,12 +289,12 @@ def make_train_step(
         # only a diverged run reaches) leaves the state as it was (the step still counts),
         # so the state in memory, and every checkpoint, is a good one; the loop stops or
         # skips on the flag.
-        grad_norm, new_norm = norm(grads), norm(params)
+        grad_norm, new_norm = optax.tree.norm(grads), optax.tree.norm(params)
         finite = (
             jnp.isfinite(loss)
             & jnp.isfinite(grad_norm)
             & jnp.isfinite(new_norm)
-            & jnp.isfinite(norm(batch_stats))
+            & jnp.isfinite(optax.tree.norm(batch_stats))
         )
         new_state = state.replace(
             step=state.step + 1,
@@ -318,6 +312,8 @@ def make_train_step(
         }
         return new_state, metrics
 
+    if reduction == "exact":
+        return grouped.GroupedStep(bn_group_size, exact_group, exact_mean, exact_update)
     return train_step
 
 
@@ -374,6 +370,6 @@ def make_eval_step(
         )
         flat = jax.tree.map(lambda v: v.reshape(-1), values)  # batch order
         gathered = exact.all_gather_invariant(flat, AXIS, tiled=True)
-        return jax.tree.map(exact.tree_sum, gathered)
+        return jax.tree.map(exact.vector_sum, gathered)
 
     return eval_step

@@ -309,8 +309,9 @@ def test_gpu_exact_step_compiles_deterministic_without_all_reduce(h100, monkeypa
     training = builder.build_training(
         config, h100("2x2").engine, 16, platform="cuda", abstract=True
     )
-    # The builder compiles XLA's determinism option into both steps itself on GPU ...
-    assert jit_options == [{"xla_gpu_deterministic_ops": True}] * 2
+    # The builder compiles XLA's determinism option into both steps itself on GPU (the
+    # train step's four programs, largebatch_jax/grouped.py, and the eval step) ...
+    assert jit_options == [{"xla_gpu_deterministic_ops": True}] * 5
     batch = programs.batch_spec(h100("2x2").engine, 8, training.input_shape, np.uint8)
     exact = programs.analyse(
         training.train_step.lower(training.state, batch), "cuda", h100("2x2").options
@@ -321,7 +322,7 @@ def test_gpu_exact_step_compiles_deterministic_without_all_reduce(h100, monkeypa
     # ... and on CPU nothing.
     jit_options.clear()
     builder.build_training(config, h100("2x2").engine, 16, platform="cpu", abstract=True)
-    assert jit_options == [None, None]
+    assert jit_options == [None] * 5
 
 
 @needs_gpu

@@ -233,3 +233,21 @@ def audit(hlo_text: str) -> Audit:
         scatters=scatters,
         relayouts={k: (v[0], v[1]) for k, v in relayouts.items()},
     )
+
+
+def merge_audits(audits: list[tuple[Audit, int]]) -> Audit:
+    """The audit of programs run one after another, each (audit, times run)."""
+    kinds: Counter[str] = Counter()
+    relayouts: dict[str, tuple[int, int]] = {}
+    for a, runs in audits:
+        for kind, n in a.convolutions.items():
+            kinds[kind] += n * runs
+        for where, (count, b) in a.relayouts.items():
+            before = relayouts.get(where, (0, 0))
+            relayouts[where] = (before[0] + count * runs, before[1] + b * runs)
+    return Audit(
+        convolutions=dict(kinds),
+        convolution_bytes=sum(a.convolution_bytes * runs for a, runs in audits),
+        scatters=[s for a, runs in audits for _ in range(runs) for s in a.scatters],
+        relayouts=relayouts,
+    )

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from largebatch_jax import builder, parallel
+from largebatch_jax import builder, grouped, parallel
 from largebatch_jax.aot import hlo
 from largebatch_jax.aot.targets import Accelerator, Target
 
@@ -33,6 +33,11 @@ class Compiled:
     collectives: list[hlo.Collective]
     compile_s: float
     audit: hlo.Audit
+    # A chain of programs (grouped.LoweredGroups): "name x runs" each, and the one at
+    # which the most is live (its outputs and temporaries, with what the caller holds
+    # then as the arguments). Empty for a single program.
+    chain: tuple[str, ...] = ()
+    peak: str = ""
 
     @property
     def memory_bytes(self) -> int:
@@ -97,6 +102,8 @@ def _gpu_cost(lowered: Any, compiled: Any, text: str) -> tuple[float, float]:
 
 def analyse(lowered: Any, platform: str, options: dict[str, Any] | None = None) -> Compiled:
     """Compile a lowered program and read its memory, cost and collective figures."""
+    if isinstance(lowered, grouped.LoweredGroups):
+        return _analyse_chain(lowered, platform, options)
     began = time.perf_counter()
     compiled = lowered.compile(options or None)
     compile_s = time.perf_counter() - began
@@ -119,6 +126,35 @@ def analyse(lowered: Any, platform: str, options: dict[str, Any] | None = None) 
         collectives=hlo.collectives(text),
         compile_s=compile_s,
         audit=hlo.audit(text),
+    )
+
+
+def _analyse_chain(
+    chain: grouped.LoweredGroups, platform: str, options: dict[str, Any] | None
+) -> Compiled:
+    """A step made of several programs run one after another (the exact mode's): FLOPs,
+    bytes and collectives of every run added up; memory at the program where the most
+    is live, counting what the caller holds meanwhile (`LoweredGroups.held_bytes`)."""
+    parts = [(p, analyse(p.program, platform, options)) for p in chain.programs]
+
+    def live(part) -> int:
+        p, c = part
+        return chain.held_bytes[p.name] + c.output_bytes - c.alias_bytes + c.temp_bytes
+
+    top, peak = max(parts, key=live)
+    return Compiled(
+        argument_bytes=chain.held_bytes[top.name],
+        output_bytes=peak.output_bytes,
+        alias_bytes=peak.alias_bytes,
+        temp_bytes=peak.temp_bytes,
+        code_bytes=sum(c.code_bytes for _, c in parts),
+        flops=sum(p.runs * c.flops for p, c in parts),
+        bytes_accessed=sum(p.runs * c.bytes_accessed for p, c in parts),
+        collectives=[col for p, c in parts for _ in range(p.runs) for col in c.collectives],
+        compile_s=sum(c.compile_s for _, c in parts),
+        audit=hlo.merge_audits([(c.audit, p.runs) for p, c in parts]),
+        chain=tuple(f"{p.name} x {p.runs}" for p, _ in parts),
+        peak=top.name,
     )
 
 

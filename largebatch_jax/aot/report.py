@@ -24,8 +24,13 @@ def describe(name: str, c: Compiled, chip: Accelerator, unit: str, images: int) 
         if c.flops / chip.peak_bf16_flops >= c.bytes_accessed / chip.memory_bandwidth
         else "memory"
     )
-    lines = [
-        f"{name}: compiled in {c.compile_s:.1f} s",
+    lines = [f"{name}: compiled in {c.compile_s:.1f} s"]
+    if c.chain:
+        lines.append(
+            f"  programs per step: {', '.join(c.chain)}; memory at its peak ({c.peak}), "
+            "the arguments being all the step holds then"
+        )
+    lines += [
         f"  memory per {unit}: arguments {size(c.argument_bytes)}, outputs "
         f"{size(c.output_bytes)} (aliased {size(c.alias_bytes)}), temporaries "
         f"{size(c.temp_bytes)}, code {size(c.code_bytes)}; total {size(c.memory_bytes)} of "
@@ -95,4 +100,6 @@ def as_dict(c: Compiled, chip: Accelerator, images: int) -> dict[str, Any]:
         "roofline_images_per_s": images / c.roofline_s(chip) if c.roofline_s(chip) else None,
         "convolutions": c.audit.convolutions,
         "scatters": [list(s) for s in c.audit.scatters],
+        "programs": list(c.chain),
+        "memory_peak_at": c.peak,
     }
