@@ -5,6 +5,8 @@
 #                                            #   -> experiments/results/aot_paper.txt
 #   bash experiments/aot_paper_runs.sh gpu   # NVIDIA GPU clusters (the gpu-compiler extra)
 #                                            #   -> experiments/results/aot_gpu.txt
+#   bash experiments/aot_paper_runs.sh exact # reduction=exact beside fast, TPU and GPU
+#                                            #   -> experiments/results/exact_aot.txt
 # Each run's command heads its output; a failed run is recorded and the next one goes on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +33,16 @@ case "${1:-tpu}" in
       runs+=("--topology=$gpu:32x8 --config.dtype=bfloat16")
     done
     ;;
-  *) echo "usage: $0 tpu|gpu" >&2; exit 2 ;;
+  exact)
+    OUT=experiments/results/exact_aot.txt
+    runs=()
+    for where in "--topology=v5e-256" "--topology=v4-512" "--topology=h100:32x8"; do
+      for dtype in float32 bfloat16; do
+        runs+=("$where --config.dtype=$dtype --config.reduction=exact" "$where --config.dtype=$dtype")
+      done
+    done
+    ;;
+  *) echo "usage: $0 tpu|gpu|exact" >&2; exit 2 ;;
 esac
 : > "$OUT"
 for run in "${runs[@]}"; do

@@ -110,10 +110,14 @@ def map_groups(fn, xs: Any, axis_name: str | None = None) -> Any:
 
 
 def tree_sum(x: jax.Array) -> jax.Array:
-    """Sum over axis 0 in the fixed tree (adjacent pairs, odd last carried up)."""
+    """Sum over axis 0 in the fixed tree (adjacent pairs, odd last carried up). A level
+    pairs rows through a reshape to [pairs, 2, ...], not strided slices: on the TPU
+    compile of the paper's device sum (256 rows of 100,000) strided slices made the
+    program 5.49 GB against 3.19 GB, the same adds."""
     while x.shape[0] > 1:
         even = x.shape[0] // 2 * 2
-        paired = x[0:even:2] + x[1:even:2]
+        pairs = x[:even].reshape(even // 2, 2, *x.shape[1:])
+        paired = pairs[:, 0] + pairs[:, 1]
         x = paired if even == x.shape[0] else jnp.concatenate([paired, x[even:]])
     return x[0]
 
@@ -134,14 +138,15 @@ def device_sum(tree: Any, axis_name: str, num_devices: int, divisor: int = 1) ->
     bandwidth: the flattened tree is cut into `num_devices` slices, `all_to_all` gives
     device j every device's slice j, device j sums them in the fixed tree, and
     `all_gather` returns the summed slices to all. Every leaf is float32. `divisor`: the
-    sums divided by it (a mean), on the flat vector before it is cut into leaves, so that
-    each leaf is written once (divided leaf by leaf, each division read the whole
-    vector on the TPU compile)."""
+    sums divided by it (a mean), each device dividing its own slice before the gather
+    (divided leaf by leaf after it, each division read the whole vector on the TPU
+    compile)."""
     flat, unravel = ravel_pytree(tree)
     size = flat.shape[0]
     width = -(-size // num_devices)
     rows = jnp.pad(flat, (0, width * num_devices - size)).reshape(num_devices, width)
     # Row i of the result is device i's slice j (this device is j).
     gathered = jax.lax.all_to_all(rows, axis_name, split_axis=0, concat_axis=0, tiled=True)
-    summed = all_gather_invariant(tree_sum(gathered), axis_name, tiled=True)[:size]
-    return unravel(summed / divisor if divisor != 1 else summed)
+    mine = tree_sum(gathered)
+    mine = mine / divisor if divisor != 1 else mine
+    return unravel(all_gather_invariant(mine, axis_name, tiled=True)[:size])
