@@ -83,11 +83,12 @@ def compiler_options(platform: str) -> dict[str, Any]:
 def map_groups(fn, xs: Any, axis_name: str | None = None) -> Any:
     """`lax.map(fn, xs)` (fn on each slice along axis 0, results stacked) as a loop whose
     trip count XLA cannot see, so that every layout runs `fn` as the same compiled loop
-    body: XLA inlines a loop it knows runs once (the usual case of one group per device),
-    and the inlined copy, fused with its surroundings, rounds differently (measured: the
-    BN statistics of 8 devices x 1 group differed in the last bit from every other
-    layout's). Inside a mapped step, `axis_name` types the results as differing per
-    device (as the loop's carry must be)."""
+    body: XLA inlines a loop it knows runs once, and the inlined copy, fused with its
+    surroundings, can round differently. The exact evaluation uses it (a few images per
+    chunk, cheap); the train step runs its groups as programs of their own instead
+    (`grouped`: on the TPU compile this loop made the forward pass run twice). Inside a
+    mapped step, `axis_name` types the results as differing per device (as the loop's
+    carry must be)."""
     length = jax.tree.leaves(xs)[0].shape[0]
     first = jax.eval_shape(fn, jax.tree.map(lambda x: x[0], xs))
     stacked = jax.tree.map(lambda s: jnp.zeros((length, *s.shape), s.dtype), first)
