@@ -133,16 +133,22 @@ def vector_sum(x: jax.Array) -> jax.Array:
     return tree_sum(x.reshape(-1))
 
 
-def device_sum(tree: Any, axis_name: str, num_devices: int, divisor: int = 1) -> Any:
+def device_sum(tree: Any, axis_name: str, num_devices: int) -> Any:
     """Inside a mapped step: the sum over devices of each device's `tree`, in device
-    order, the same bits on every device. A deterministic all-reduce with a ring's
-    bandwidth: the flattened tree is cut into `num_devices` slices, `all_to_all` gives
-    device j every device's slice j, device j sums them in the fixed tree, and
-    `all_gather` returns the summed slices to all. Every leaf is float32. `divisor`: the
-    sums divided by it (a mean), each device dividing its own slice before the gather
-    (divided leaf by leaf after it, each division read the whole vector on the TPU
-    compile)."""
+    order, the same bits on every device (`flat_device_sum` of the flattened tree).
+    Every leaf is float32."""
     flat, unravel = ravel_pytree(tree)
+    return unravel(flat_device_sum(flat, axis_name, num_devices))
+
+
+def flat_device_sum(
+    flat: jax.Array, axis_name: str, num_devices: int, divisor: int = 1
+) -> jax.Array:
+    """Inside a mapped step: the sum over devices of each device's vector `flat`, in
+    device order, the same bits on every device. A deterministic all-reduce with a ring's
+    bandwidth: the vector is cut into `num_devices` slices, `all_to_all` gives device j
+    every device's slice j, device j sums them in the fixed tree (and divides them by
+    `divisor`, for a mean), and `all_gather` returns the summed slices to all."""
     size = flat.shape[0]
     width = -(-size // num_devices)
     rows = jnp.pad(flat, (0, width * num_devices - size)).reshape(num_devices, width)
@@ -150,4 +156,4 @@ def device_sum(tree: Any, axis_name: str, num_devices: int, divisor: int = 1) ->
     gathered = jax.lax.all_to_all(rows, axis_name, split_axis=0, concat_axis=0, tiled=True)
     mine = tree_sum(gathered)
     mine = mine / divisor if divisor != 1 else mine
-    return unravel(all_gather_invariant(mine, axis_name, tiled=True)[:size])
+    return all_gather_invariant(mine, axis_name, tiled=True)[:size]
