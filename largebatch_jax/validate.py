@@ -161,7 +161,7 @@ def validate_fields(config: Any) -> None:
 
 
 def _check_exact(config: Any, num_devices: int) -> None:
-    """Where reduction='exact' can keep its promise (step.exact_sums, exact.py): the tree
+    """Where reduction='exact' can keep its promise (grouped.py, exact.py): the tree
     of the k groups splits into the devices' blocks only for a power-of-two number of
     groups per device; per-worker BN; no reduction the optimizer makes itself."""
     kn, n = config.batch_size, config.bn_group_size

@@ -107,12 +107,6 @@ def run(
             f"  (FLOPs and bytes: {config.accum_steps} micro-steps, extrapolated from the 1- and "
             "2-micro-step unrolled programs; XLA counts a loop body once)"
         )
-    groups = images // config.bn_group_size
-    if config.reduction == "exact" and groups > 1:
-        lines.append(
-            f"  (FLOPs and bytes: one of the {groups} BN groups per {unit}; XLA counts the "
-            "loop body over the groups once)"
-        )
     eval_images = max(1, config.eval_batch_size // devices)
     lines += report.describe("eval step (ours)", ours["eval"], target.chip, unit, eval_images)
     expected = programs.gradient_and_statistics_bytes(ours["state"])
