@@ -26,9 +26,13 @@ def _training(devices: int):
 
 
 def _body(text: str) -> str:
-    """A compiled module's text without what names the module or counts its devices."""
+    """A compiled module's operations: without what names the module, counts its devices
+    or records where in Python an operation was traced (a module from the persistent
+    compilation cache, traced by another process, names other files)."""
+    text = text.split("\nFileNames")[0]
     lines = [line for line in text.splitlines() if not line.startswith("HloModule")]
     text = re.sub(r"sharding=\{devices=\[[\d,]+\]<=\[\d+\]\}", "sharding=split", "\n".join(lines))
+    text = re.sub(r", metadata=\{[^}]*\}", "", text)
     return re.sub(r"\.\d+\b", "", text)
 
 
