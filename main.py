@@ -47,7 +47,7 @@ with host.plugin_noise_filtered():
     from absl import app, flags, logging
     from ml_collections import config_flags
 
-    from largebatch_jax import exact, parallel, trainer
+    from largebatch_jax import exact, parallel, train
     from largebatch_jax import workdir as wd
     from largebatch_jax.data.loader import UnreadableImageError
     from largebatch_jax.data.sources import DatasetNotPreparedError
@@ -116,14 +116,14 @@ def main(argv):
         print(warning, file=sys.stderr, flush=True)
     try:
         workdir = wd.resolve(_WORKDIR.value)
-        result = trainer.train_and_evaluate(config, workdir)
+        result = train.train_and_evaluate(config, workdir)
     except (ConfigError, DatasetNotPreparedError, UnreadableImageError, wd.WorkdirError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except trainer.NonFiniteLossError as e:
+    except train.NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except trainer.RunInterruptedError as e:
+    except train.RunInterruptedError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(130)
     if jax.process_index() != 0:

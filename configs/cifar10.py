@@ -19,7 +19,7 @@ def get_config():
     c.base_batch_size = 128
     c.bn_group_size = 32
     c.workers = 0
-    c.eval_batch_size = 1000
+    c.eval_batch_size = 1024
     c.log_every_steps = 50
     c.checkpoint_every_steps = 500
     return c

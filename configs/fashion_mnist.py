@@ -26,7 +26,7 @@ def get_config():
     c.warmup_epochs = 4.0 * 5 / 90  # applies only above kn=256
     c.decay_epochs = (4.0 * 30 / 90, 4.0 * 60 / 90, 4.0 * 80 / 90)
     c.workers = 0
-    c.eval_batch_size = 1000
+    c.eval_batch_size = 1024
     c.log_every_steps = 50
     c.checkpoint_every_steps = 200
     c.result_last_epochs = 1.0  # one evaluation per epoch: the last epoch's

@@ -1,5 +1,5 @@
 """One grammar for config overrides written as text: `FIELD=VALUE` in
-`configs/imagenet.py:batch_size=8192,warmup=none` and in experiments/sweep.py's
+`configs/imagenet.py:batch_size=8192,warmup=none` and in experiments.sweep's
 `--grid`, `--set` and `--extra`.
 
 A value is parsed with the type of the field's default: booleans as true/false (or 1/0,

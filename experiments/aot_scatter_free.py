@@ -4,18 +4,16 @@ main.py builds it on GPU, and again with the forms main.py uses elsewhere (XLA's
 select-and-scatter for the max-pool's gradient, optax's gather for the label's logit, a
 top-k for the training error), fast and exact mode, float32 and bfloat16.
 
-    python experiments/aot_scatter_free.py > experiments/results/aot_scatter_free.txt
+    python -m experiments.aot_scatter_free > experiments/results/aot_scatter_free.txt
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from unittest import mock
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from largebatch_jax import host
 

@@ -1,10 +1,10 @@
 """Train-step throughput: ours against a reference step written the way the Flax ImageNet
 example writes one, side by side in one process.
 
-    python experiments/benchmark.py --model=resnet50 --per_device_batch=4 --devices=8
-    python experiments/benchmark.py --model=resnet50 --per_device_batch=128 --devices=0 \\
+    python -m experiments.benchmark --model=resnet50 --per_device_batch=4 --devices=8
+    python -m experiments.benchmark --model=resnet50 --per_device_batch=128 --devices=0 \\
         --dtype=bfloat16                                    # the real devices (a GPU)
-    python experiments/benchmark.py --input=real --config=configs/fashion_mnist.py --devices=8
+    python -m experiments.benchmark --input=real --config=configs/fashion_mnist.py --devices=8
 
 Per implementation: compile time, steady-state step time (median of --steps after one
 warm-up step) and images/s, XLA's FLOPs per image and the implied achieved FLOP/s, and
@@ -76,8 +76,6 @@ if ARGS is not None and ARGS.devices:  # before jax is imported
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
     )
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from largebatch_jax import host  # noqa: E402
 
@@ -169,7 +167,7 @@ def synthetic_config(args, num_devices: int, conv_impl: str | None = None):
 
 
 def ours(config, engine, steps_per_epoch: int | None = None):
-    """What the builder main.py's trainer uses gives for `config` (`Training`)."""
+    """What the builder main.py's training loop uses gives for `config` (`Training`)."""
     spe = known_steps_per_epoch(config) if steps_per_epoch is None else steps_per_epoch
     return build_training(config, engine, spe)
 
@@ -286,12 +284,12 @@ def synthetic(args) -> int:
 
 def real_input(args) -> int:
     """Our loop's input path against the same step on a fixed device batch."""
-    from largebatch_jax import trainer
+    from largebatch_jax import train
     from largebatch_jax.data import loader
 
     config = load_config(args.config or "configs/fashion_mnist.py")
     engine = parallel.DataParallel(parallel.create_mesh(), config.parallelism)
-    data = trainer.load_data(config)
+    data = train.load_data(config)
     training = ours(config, engine, data.steps_per_epoch)
     step = training.train_step
     initial = jax.device_get(training.state)  # every variant starts from a fresh copy

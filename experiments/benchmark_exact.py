@@ -1,8 +1,8 @@
 """Train-step time of reduction='exact' against 'fast', side by side in one process.
 
-    python experiments/benchmark_exact.py --config=configs/smoke.py
-    python experiments/benchmark_exact.py --config=configs/fashion_mnist.py
-    python experiments/benchmark_exact.py --config=configs/imagenet.py \\
+    python -m experiments.benchmark_exact --config=configs/smoke.py
+    python -m experiments.benchmark_exact --config=configs/fashion_mnist.py
+    python -m experiments.benchmark_exact --config=configs/imagenet.py \\
         --set batch_size=32,bn_group_size=4,image_size=64 --steps 3
 
 Both programs are built by `builder.build_training` from the same config (only
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -38,7 +37,6 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, str(ROOT))
     import jax
     import numpy as np
 

@@ -22,7 +22,7 @@ of them exists (`--photos`; by default the sample images of Debian's opencv-doc:
 `apt-get download opencv-doc && dpkg-deb -x opencv-doc_*.deb DIR`, then
 `--photos DIR/usr/share/doc/opencv-doc/examples/data`, or `apt-get install opencv-doc`).
 
-    python experiments/benchmark_input.py [--images 256] [--batch 64] [--batches 24] \
+    python -m experiments.benchmark_input [--images 256] [--batch 64] [--batches 24] \
         [--repeats 5] [--workers 1 2] [--transform train eval] [--photos DIR]
 """
 

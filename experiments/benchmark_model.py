@@ -1,8 +1,8 @@
 """The model alone: forward + backward of ResNet-50, ours against the reference's, on one
 device, side by side in one process (no optimizer, no collectives, no input pipeline).
 
-    python experiments/benchmark_model.py                    # 4 images, 224x224, 1 CPU device
-    python experiments/benchmark_model.py --batch=128 --dtype=bfloat16    # a GPU
+    python -m experiments.benchmark_model                    # 4 images, 224x224, 1 CPU device
+    python -m experiments.benchmark_model --batch=128 --dtype=bfloat16    # a GPU
 
 Rows: the reference's model (`largebatch_jax.reference`, flax `nn.BatchNorm`), ours
 (per-worker BN over groups of n = --batch), and ours with flax's `nn.BatchNorm` in place
@@ -20,10 +20,8 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax
 import jax.numpy as jnp

@@ -2,7 +2,7 @@
 step by step, and the training-loss gap epoch by epoch (the invariance experiment: the
 same kn on 8 devices and on 1 device with accumulation, against two seeds as the yardstick).
 
-    python experiments/compare_runs.py RUN_A RUN_B
+    python -m experiments.compare_runs RUN_A RUN_B
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from largebatch_jax.metrics import read_metrics  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Where the exact step's bytes go: the fast and the exact train step compiled for a TPU
-target, their optimised HLO read op by op (issue 36, item 1).
+target, their optimised HLO read op by op.
 
-    python experiments/exact_bytes.py --config=configs/imagenet_8k.py --topology=v5e-8 \\
+    python -m experiments.exact_bytes --config=configs/imagenet_8k.py --topology=v5e-8 \\
         --per_chip_batch=32 [--dump=DIR]
 
 The config runs at kn = chips x `--per_chip_batch` in one micro-step: the per-chip
@@ -22,7 +22,6 @@ import argparse
 import collections
 import os
 import re
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +70,6 @@ def main(argv=None) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    sys.path.insert(0, str(ROOT))
     from largebatch_jax import host
 
     with host.plugin_noise_filtered():

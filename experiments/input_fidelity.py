@@ -16,7 +16,7 @@ antialiased bilinear resize of the same window, mirrored where the flip says. Pr
 the mean over the outputs of their mean absolute difference, the worst output's mean
 and the worst pixel, in grey levels.
 
-    python experiments/input_fidelity.py [--sizes 224 64]
+    python -m experiments.input_fidelity [--sizes 224 64]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 compute + the allreduce time that backprop does not hide, for ring vs recursive
 halving/doubling, with the paper's hardware and with present accelerators.
 
-    python experiments/scaling_model.py [--out experiments/results]
+    python -m experiments.scaling_model [--out experiments/results]
 
 Writes OUT/scaling_model.md (the paper's three timing findings, model next to paper, and
 predictions for present hardware) and OUT/scaling_model.png (time per iteration vs
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-COMMAND = "python experiments/scaling_model.py --out experiments/results"
+COMMAND = "python -m experiments.scaling_model --out experiments/results"
 FP32 = 4  # bytes per gradient element: the paper trains and communicates in fp32
 IMAGENET_TRAIN = 1_281_167  # images per epoch (ILSVRC-2012 train)
 PER_ACCEL_BATCH = 32  # n, the paper's images per GPU

@@ -16,7 +16,7 @@ export TF_CPP_MIN_LOG_LEVEL=1
 KN=1024
 SEEDS="--grid=seed=0,1"
 # 2 fake devices: on 2 cores 1.4x faster than 8, and the update depends only on kn and n.
-SWEEP="$PY experiments/sweep.py --config=configs/fashion_sweep.py --devices=2"
+SWEEP="$PY -m experiments.sweep --config=configs/fashion_sweep.py --devices=2"
 only=${1:-all}
 want() { [[ $only == all || $only == "$1" ]]; }
 
@@ -70,7 +70,7 @@ if want invariance_exact; then  # reduction='exact': the same bits on 8, 2 and 1
     --title="kn=1024, reduction=exact: 8 devices, 2 devices, 1 device x 8 accum"
   R=experiments/runs/fashion_sweep/batch_size=1024-eval_batch_size=1024-reduction=exact
   for other in "$R" "${R%/*}/accum_steps=8-batch_size=1024-eval_batch_size=1024-reduction=exact-devices=1"; do
-    $PY experiments/compare_runs.py "$R-devices=8" "$other"
+    $PY -m experiments.compare_runs "$R-devices=8" "$other"
   done | tee experiments/results/invariance_exact_compare.txt
 fi
 if want invariance; then  # the same kn=1024 run on 8 devices and on 1 device x 8 accumulation
@@ -82,6 +82,6 @@ if want invariance; then  # the same kn=1024 run on 8 devices and on 1 device x 
   for pair in "batch_size=1024-devices=8 accum_steps=8-batch_size=1024-devices=1" \
     "batch_size=1024-devices=8 batch_size=1024" "batch_size=1024 batch_size=1024-seed=1"; do
     set -- $pair
-    $PY experiments/compare_runs.py "$R/$1" "$R/$2"
+    $PY -m experiments.compare_runs "$R/$1" "$R/$2"
   done | tee experiments/results/invariance_compare.txt
 fi

@@ -29,8 +29,12 @@ except AttributeError:  # jax 0.10 has it, not yet exported
     from jax._src.lax.parallel import all_gather_invariant
 
 
-# The XLA:CPU intra-op pool size exact mode fixes (fix_cpu_threads).
-CPU_THREADS = 8
+# The XLA:CPU intra-op pool size exact mode fixes (fix_cpu_threads): twice the 8 fake
+# devices of the tests and the CPU configs. With a pool of exactly 8 threads, one of two
+# concurrent 8-device runs of configs/fashion_mnist.py stopped in 3 tries of 3: the other 7
+# devices' threads waited at the mean program's second collective and XLA aborted after
+# 40 s; with 16, none in 3 (2026-12-07, 2-core AMD EPYC).
+CPU_THREADS = 16
 
 
 def fix_cpu_threads(environ: MutableMapping[str, str] | None = None) -> None:

@@ -33,6 +33,13 @@ from jax.sharding import PartitionSpec as P
 from largebatch_jax.parallel import AXIS, DataParallel
 
 
+def whole_power_of_two_groups(per_device: int, group_size: int) -> bool:
+    """Whether `per_device` images are a power-of-two number of whole BN groups: the tree
+    over all k groups then splits into the devices' blocks for any device count (exact.py)."""
+    groups = per_device // group_size
+    return per_device % group_size == 0 and groups > 0 and groups & (groups - 1) == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupedStep:
     """A per-device train step in three functions. `group(state, batch)`: one BN group
@@ -48,7 +55,7 @@ class GroupedStep:
 
     def groups_per_device(self, per_device: int) -> int:
         groups = per_device // self.group_size
-        if per_device % self.group_size or groups & (groups - 1):
+        if not whole_power_of_two_groups(per_device, self.group_size):
             raise ValueError(
                 "reduction='exact' needs a power-of-two number of BN groups per device, not "
                 f"{per_device / self.group_size:g} ({per_device} images / "

@@ -113,6 +113,101 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
+class _Processes:
+    """The launched processes, each one's output forwarded line by line with a `[pK] `
+    prefix, and the launcher's own notes on stderr."""
+
+    def __init__(self, command, processes, devices_per_process, port, out, err):
+        coordinator = f"127.0.0.1:{port or free_port()}"
+        env = process_env(devices_per_process)
+        self.err, self.lock = err, threading.Lock()
+        self.procs, self.threads, self.interrupts = [], [], 0
+        for k in range(processes):
+            proc = subprocess.Popen(
+                process_command(command, coordinator, processes, k),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                bufsize=1,
+                preexec_fn=_stop_with_the_launcher,
+            )
+            self.procs.append(proc)
+            for stream, target in ((proc.stdout, out), (proc.stderr, err)):
+                t = threading.Thread(target=_forward, args=(stream, target, f"[p{k}] ", self.lock))
+                t.start()
+                self.threads.append(t)
+
+    def note(self, message: str) -> None:
+        with self.lock:
+            self.err.write(f"[launch] {message}\n")
+            self.err.flush()
+
+    def on_signal(self, signum, frame) -> None:
+        # A preemption notice: every process must see it to agree on a checkpoint step.
+        del frame
+        self.interrupts += 1
+        sig = signal.SIGTERM if self.interrupts == 1 else signal.SIGKILL
+        self.note(f"received {signal.Signals(signum).name}: sending {sig.name} to all processes")
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    def supervise(self, grace: float) -> tuple[tuple[int, int] | None, list[int]]:
+        """Wait for every process; once one fails, stop the others within `grace` s.
+        Returns (the first failed process and its exit code, or None; the processes found
+        stopped when it failed)."""
+        # One waiter thread per process records exits in the order they happen: the first
+        # process to fail is the one to name, even if the others die a moment later because
+        # of it (a broken collective can abort them within the same instant).
+        exits: Queue = Queue()
+        for k, p in enumerate(self.procs):
+            threading.Thread(target=lambda k=k, p=p: exits.put((k, p.wait())), daemon=True).start()
+        failed, stopped, deadline = None, [], None
+        running = len(self.procs)
+        while running:
+            try:
+                k, code = exits.get(timeout=0.1)
+                running -= 1
+                if code != 0 and failed is None:
+                    failed, stopped = (k, code), stopped_processes(self.procs)
+                    self.note(
+                        self._failure(k, code, stopped)
+                        + f"; stopping the others within {grace:g} s"
+                    )
+                    deadline = time.time() + grace
+            except Empty:
+                pass
+            if deadline is not None and time.time() > deadline:
+                self._kill_running()
+                deadline = None
+        return failed, stopped
+
+    def _failure(self, k: int, code: int, stopped: list[int]) -> str:
+        cause = ""
+        if stopped:
+            cause = (
+                f" because process {stopped[0]} (pid {self.procs[stopped[0]].pid}) "
+                "is stopped (SIGSTOP or a frozen host) and sends no heartbeats"
+            )
+        return f"process {k} (pid {self.procs[k].pid}) {_describe(code)}{cause}"
+
+    def _kill_running(self) -> None:
+        for j, p in enumerate(self.procs):
+            if p.poll() is None:
+                self.note(f"killing process {j} (pid {p.pid}), still running")
+                p.kill()
+                p.send_signal(signal.SIGCONT)  # a stopped process dies only running
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for t in self.threads:
+            t.join()
+
+
 def launch(
     command: Sequence[str],
     processes: int,
@@ -124,103 +219,25 @@ def launch(
 ) -> int:
     """Run `command` as `processes` JAX processes; returns 0 when all succeed, else the
     exit code of the first process that failed (128 + signal number if it was killed)."""
-    coordinator = f"127.0.0.1:{port or free_port()}"
-    env = process_env(devices_per_process)
-    lock = threading.Lock()
-    procs, threads = [], []
-    for k in range(processes):
-        proc = subprocess.Popen(
-            process_command(command, coordinator, processes, k),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-            preexec_fn=_stop_with_the_launcher,
-        )
-        procs.append(proc)
-        for stream, target in ((proc.stdout, out), (proc.stderr, err)):
-            t = threading.Thread(target=_forward, args=(stream, target, f"[p{k}] ", lock))
-            t.start()
-            threads.append(t)
-
-    def note(message: str) -> None:
-        with lock:
-            err.write(f"[launch] {message}\n")
-            err.flush()
-
-    interrupts = 0
-
-    def on_signal(signum, frame):
-        # A preemption notice: every process must see it to agree on a checkpoint step.
-        nonlocal interrupts
-        del frame
-        interrupts += 1
-        sig = signal.SIGTERM if interrupts == 1 else signal.SIGKILL
-        note(f"received {signal.Signals(signum).name}: sending {sig.name} to all processes")
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(sig)
-
+    group = _Processes(command, processes, devices_per_process, port, out, err)
     previous = {
-        s: signal.signal(s, on_signal)
+        s: signal.signal(s, group.on_signal)
         for s in (signal.SIGTERM, signal.SIGINT)
         if threading.current_thread() is threading.main_thread()
     }
-    # One waiter thread per process records exits in the order they happen: the first
-    # process to fail is the one to name, even if the others die a moment later because
-    # of it (a broken collective can abort them within the same instant).
-    exits: Queue = Queue()
-    for k, p in enumerate(procs):
-        threading.Thread(target=lambda k=k, p=p: exits.put((k, p.wait())), daemon=True).start()
-    failed: tuple[int, int] | None = None  # (process, exit code)
-    stopped: list[int] = []  # processes found stopped when the first one failed
-    deadline = None
-    running = len(procs)
     try:
-        while running:
-            try:
-                k, code = exits.get(timeout=0.1)
-                running -= 1
-                if code != 0 and failed is None:
-                    failed = (k, code)
-                    stopped = stopped_processes(procs)
-                    note(
-                        f"process {k} (pid {procs[k].pid}) {_describe(code)}"
-                        + (
-                            f" because process {stopped[0]} (pid {procs[stopped[0]].pid}) "
-                            "is stopped (SIGSTOP or a frozen host) and sends no heartbeats"
-                            if stopped
-                            else ""
-                        )
-                        + f"; stopping the others within {grace:g} s"
-                    )
-                    deadline = time.time() + grace
-            except Empty:
-                pass
-            if deadline is not None and time.time() > deadline:
-                for j, p in enumerate(procs):
-                    if p.poll() is None:
-                        note(f"killing process {j} (pid {p.pid}), still running")
-                        p.kill()
-                        p.send_signal(signal.SIGCONT)  # a stopped process dies only running
-                deadline = None
+        failed, stopped = group.supervise(grace)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for t in threads:
-            t.join()
+        group.close()
     if failed is None:
         return 0
     k, code = failed
     if stopped:  # the cause: the failed process lost a stopped peer
-        note(f"failed: process {stopped[0]} was stopped; process {k} {_describe(code)}")
+        group.note(f"failed: process {stopped[0]} was stopped; process {k} {_describe(code)}")
     else:
-        note(f"failed: process {k} {_describe(code)}")
+        group.note(f"failed: process {k} {_describe(code)}")
     return code if code > 0 else 128 - code
 
 

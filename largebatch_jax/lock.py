@@ -39,7 +39,7 @@ class WorkdirLock:
     another host where the pid cannot be checked, when its heartbeat is older than
     `stale_seconds`; an unreadable lock (empty, torn) older than `TORN_SECONDS` is stale
     too. A stale lock is replaced with a warning. In a multi-process run process 0 holds
-    it for all, and every process checks that it sees the token (trainer.build).
+    it for all, and every process checks that it sees the token (train.setup.build).
     """
 
     NAME = "run.lock"

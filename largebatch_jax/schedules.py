@@ -123,36 +123,64 @@ def warmup_applies(batch_size: int, base_batch_size: int) -> bool:
     return batch_size > base_batch_size
 
 
-def create_learning_rate_schedule(config: Any, steps_per_epoch: int) -> optax.Schedule:
-    """The paper's schedule from config fields: scaling (rule 1), warmup (2), decay (3).
+# The config fields the schedule reads (`create_learning_rate_schedule`).
+SCHEDULE_FIELDS = (
+    "base_lr",
+    "base_batch_size",
+    "batch_size",
+    "lr_scaling",
+    "lr_multiplier",
+    "warmup",
+    "warmup_epochs",
+    "lr_decay",
+    "decay_epochs",
+    "decay_factor",
+    "num_epochs",
+)
 
-    Reads `base_lr`, `base_batch_size`, `batch_size`, `lr_scaling`, `lr_multiplier`, `warmup`,
-    `warmup_epochs`, `lr_decay`, `decay_epochs`, `decay_factor`, `num_epochs`.
-    Warmup applies only where `warmup_applies` says so (rule 2).
-    """
+
+def check_decay_epochs(decay_epochs: Sequence[float], num_epochs: float) -> None:
+    """Rule 3's decays all fall within the run (ValueError naming both fields)."""
+    if any(e > num_epochs for e in decay_epochs):
+        raise ValueError(
+            f"decay_epochs={tuple(decay_epochs)} go past num_epochs={num_epochs}: lower them "
+            "or raise num_epochs."
+        )
+
+
+def learning_rate_schedule(
+    steps_per_epoch: int,
+    *,
+    base_lr: float,
+    base_batch_size: int,
+    batch_size: int,
+    lr_scaling: str,
+    lr_multiplier: float,
+    warmup: str,
+    warmup_epochs: float,
+    lr_decay: str,
+    decay_epochs: Sequence[float],
+    decay_factor: float,
+    num_epochs: float,
+) -> optax.Schedule:
+    """The paper's schedule: scaling (rule 1), warmup (2), decay (3), per iteration.
+    Warmup applies only where `warmup_applies` says so (rule 2)."""
     if steps_per_epoch <= 0:
         raise ValueError(f"steps_per_epoch={steps_per_epoch} must be > 0.")
-    peak = peak_learning_rate(
-        config.base_lr,
-        config.base_batch_size,
-        config.batch_size,
-        config.lr_scaling,
-        config.lr_multiplier,
-    )
-    _check_choice("warmup", config.warmup, WARMUP_KINDS)
-    if config.warmup_epochs < 0:
-        raise ValueError(f"warmup_epochs={config.warmup_epochs} must be >= 0.")
-    warms = warmup_applies(config.batch_size, config.base_batch_size) and config.warmup != "none"
-    warmup_steps = epochs_to_steps(config.warmup_epochs, steps_per_epoch) if warms else 0
-    total_steps = epochs_to_steps(config.num_epochs, steps_per_epoch)
-    boundaries = [epochs_to_steps(e, steps_per_epoch) for e in config.decay_epochs]
-    if any(b > total_steps for b in boundaries):
-        raise ValueError(
-            f"decay_epochs={tuple(config.decay_epochs)} go past num_epochs={config.num_epochs}."
-        )
-    warm = warmup_schedule(config.base_lr, peak, warmup_steps, config.warmup)
-    decay = decay_schedule(
-        peak, config.lr_decay, boundaries, config.decay_factor, warmup_steps, total_steps
-    )
-
+    peak = peak_learning_rate(base_lr, base_batch_size, batch_size, lr_scaling, lr_multiplier)
+    _check_choice("warmup", warmup, WARMUP_KINDS)
+    if warmup_epochs < 0:
+        raise ValueError(f"warmup_epochs={warmup_epochs} must be >= 0.")
+    check_decay_epochs(decay_epochs, num_epochs)
+    warms = warmup_applies(batch_size, base_batch_size) and warmup != "none"
+    warmup_steps = epochs_to_steps(warmup_epochs, steps_per_epoch) if warms else 0
+    total_steps = epochs_to_steps(num_epochs, steps_per_epoch)
+    boundaries = [epochs_to_steps(e, steps_per_epoch) for e in decay_epochs]
+    warm = warmup_schedule(base_lr, peak, warmup_steps, warmup)
+    decay = decay_schedule(peak, lr_decay, boundaries, decay_factor, warmup_steps, total_steps)
     return optax.join_schedules([warm, decay], [warmup_steps])
+
+
+def create_learning_rate_schedule(config: Any, steps_per_epoch: int) -> optax.Schedule:
+    """`learning_rate_schedule` from a config's SCHEDULE_FIELDS."""
+    return learning_rate_schedule(steps_per_epoch, **{f: config[f] for f in SCHEDULE_FIELDS})

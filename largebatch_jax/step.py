@@ -91,8 +91,8 @@ class PixelNormalization:
     """Paper rule 13's per-channel mean/std normalisation, on the device: the host hands
     out uint8 pixels (4x fewer bytes than float32), the step makes them float32 here.
     `downscale` > 1 first box-averages f x f pixels (small datasets shipped at their
-    native size, e.g. Fashion-MNIST 28 -> 14). The same float32 operations the host
-    once did, element by element: (x - mean) * (1 / std)."""
+    native size, e.g. Fashion-MNIST 28 -> 14). The same float32 operations as a
+    host-side normalisation, element by element: (x - mean) * (1 / std)."""
 
     mean: tuple[float, ...]
     std: tuple[float, ...]
@@ -194,100 +194,53 @@ def make_train_step(
     """
     platform = platform or jax.default_backend()
     accum_loop = parallel.resolve_accum_loop(accum_loop, platform)
-    gpu = parallel.is_gpu(platform)  # no scatter or sort there (`cross_entropy`)
     if accum_loop not in parallel.ACCUM_LOOPS:
         raise ValueError(f"accum_loop={accum_loop!r} is not one of {parallel.ACCUM_LOOPS}.")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r} is not one of {REDUCTIONS}.")
     if reduction == "exact" and not bn_group_size:
         raise ValueError("reduction='exact' needs bn_group_size.")
+    # No scatter or sort on GPU (`cross_entropy`).
+    parts = _StepParts(model, tx, learning_rate_fn, parallel.is_gpu(platform), normalize)
+    if reduction == "exact":
+        exact_parts = _ExactParts(parts, bn_momentum)
+        return grouped.GroupedStep(
+            bn_group_size, exact_parts.group, exact_parts.mean, exact_parts.update
+        )
+    return functools.partial(_fast_step, parts, accum_steps, accum_loop)
 
-    def loss_fn(params, batch_stats, images, labels):
-        logits, updated = model.apply(
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StepParts:
+    """What every form of the train step shares: one group's gradient and the update."""
+
+    model: nn.Module
+    tx: optax.GradientTransformation
+    learning_rate_fn: optax.Schedule
+    gpu: bool
+    normalize: Callable[[jax.Array], jax.Array] | None
+
+    def loss(self, params, batch_stats, images, labels):
+        logits, updated = self.model.apply(
             {"params": params, "batch_stats": batch_stats},
             images,
             train=True,
             mutable=["batch_stats"],
         )
-        return mean_cross_entropy(logits, labels, gpu), (logits, updated["batch_stats"])
+        return mean_cross_entropy(logits, labels, self.gpu), (logits, updated["batch_stats"])
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def group_step(params, batch_stats, x, y):
+    def group_step(self, params, batch_stats, x, y):
         # Each micro-step or group normalises its own pixels: normalising the device's
         # whole batch first would hold all of it as float32 at once (kn=8192 on 8 GPUs: 1024
         # images, 588 MiB, which XLA's GPU compiler keeps live across the loop).
-        if normalize is not None:
-            x = normalize(x)
+        if self.normalize is not None:
+            x = self.normalize(x)
+        grad_fn = jax.value_and_grad(self.loss, has_aux=True)
         (loss, (logits, stats)), grads = grad_fn(params, batch_stats, x, y)
-        return grads, stats, loss, topk_errors(logits, y, 1, gpu).mean()
+        return grads, stats, loss, topk_errors(logits, y, 1, self.gpu).mean()
 
-    def exact_group(state: TrainState, batch: dict):
-        """One BN group's gradient, BN statistics update, loss and error (a program of its
-        own: `grouped`). The group sees running statistics of zero, so it returns
-        (1 - momentum) x its batch statistics; momentum x the old ones is added once, after
-        the sum (`exact_update`)."""
-        zero_stats = jax.tree.map(jnp.zeros_like, state.batch_stats)
-        results = group_step(_varying(state.params), zero_stats, batch["image"], batch["label"])
-        return jax.tree.map(lambda r: r[None], results)
-
-    def exact_mean(results: tuple) -> jax.Array:
-        """The mean over the kn images of every group's results, bit-identical on every
-        layout: the k groups summed in the fixed tree of `exact` (this device's groups in
-        order, then the devices in order) and divided by k. Returned flat, as
-        `ravel_pytree` flattens (gradients, statistics, loss, error): cut into leaves here,
-        each leaf's slice counted as a read of the whole vector on the TPU compile
-        (v5e-256: 2.98 + 3.13 GB for this program and the update, 2.48 + 2.48 GB flat)."""
-        stacked = jax.tree.map(lambda *r: jnp.concatenate(r), *results)
-        flat, _ = ravel_pytree(exact.tree_sum_leaves(stacked))
-        devices = jax.lax.axis_size(AXIS)
-        return exact.flat_device_sum(flat, AXIS, devices, len(results) * devices)
-
-    def exact_update(state: TrainState, means: jax.Array):
-        """The update from the means (a program of its own, the same in every layout, so
-        its reductions, the norms, round the same way everywhere)."""
-        like = (state.params, state.batch_stats, jnp.float32(0), jnp.float32(0))
-        grads, stats, loss, error = ravel_pytree(like)[1](means)
-        stats = jax.tree.map(lambda old, new: bn_momentum * old + new, state.batch_stats, stats)
-        return update(state, grads, stats, loss, error)
-
-    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        images, labels = batch["image"], batch["label"]
-        if images.shape[0] % accum_steps:
-            raise ValueError(
-                f"accum_steps={accum_steps} does not divide the per-device batch {images.shape[0]}."
-            )
-        micro = images.shape[0] // accum_steps
-        images = images.reshape(accum_steps, micro, *images.shape[1:])
-        labels = labels.reshape(accum_steps, micro)
-
-        # Differentiate a per-device copy of the parameters: the gradient is then this
-        # device's own, and the explicit pmean below is the only reduction. (Taken w.r.t.
-        # the replicated value, shard_map would psum it implicitly.)
-        local_params = _varying(state.params)
-
-        def micro_step(x, y):
-            # Every micro-step starts from the same BN statistics: each group is one
-            # worker's update of the old running averages, later averaged (rule 9).
-            return group_step(local_params, state.batch_stats, x, y)
-
-        if accum_loop == "unroll":
-            sums = micro_step(images[0], labels[0])
-            for i in range(1, accum_steps):
-                sums = jax.tree.map(jnp.add, sums, micro_step(images[i], labels[i]))
-        else:
-            zeros = jax.tree.map(
-                jnp.zeros_like, (state.params, state.batch_stats, jnp.float32(0), jnp.float32(0))
-            )
-            sums, _ = jax.lax.scan(
-                lambda sums, xy: (jax.tree.map(jnp.add, sums, micro_step(*xy)), None),
-                _varying(zeros),
-                (images, labels),
-            )
-        return update(state, *jax.lax.pmean(jax.tree.map(lambda s: s / accum_steps, sums), AXIS))
-
-    def update(state: TrainState, grads, batch_stats, loss, error):
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    def update(self, state: TrainState, grads, batch_stats, loss, error):
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # A non-finite loss, gradient or updated state (a finite gradient times an
         # overflowing learning rate; the norms overflow once a value passes ~1e19, which
@@ -311,15 +264,90 @@ def make_train_step(
             "nonfinite": 1.0 - finite.astype(jnp.float32),
             "train_loss": loss,
             "train_error": error,
-            "learning_rate": jnp.asarray(learning_rate_fn(state.step), jnp.float32),
+            "learning_rate": jnp.asarray(self.learning_rate_fn(state.step), jnp.float32),
             "grad_norm": grad_norm,
             "param_norm": new_norm,  # of the update's parameters (not finite when skipped)
         }
         return new_state, metrics
 
-    if reduction == "exact":
-        return grouped.GroupedStep(bn_group_size, exact_group, exact_mean, exact_update)
-    return train_step
+
+def _fast_step(
+    parts: _StepParts, accum_steps: int, accum_loop: str, state: TrainState, batch: dict
+) -> tuple[TrainState, dict]:
+    """reduction='fast': the micro-steps' sums, one `pmean` over the devices, the update."""
+    images, labels = batch["image"], batch["label"]
+    if images.shape[0] % accum_steps:
+        raise ValueError(
+            f"accum_steps={accum_steps} does not divide the per-device batch {images.shape[0]}."
+        )
+    micro = images.shape[0] // accum_steps
+    images = images.reshape(accum_steps, micro, *images.shape[1:])
+    labels = labels.reshape(accum_steps, micro)
+
+    # Differentiate a per-device copy of the parameters: the gradient is then this
+    # device's own, and the explicit pmean below is the only reduction. (Taken w.r.t.
+    # the replicated value, shard_map would psum it implicitly.)
+    local_params = _varying(state.params)
+
+    def micro_step(x, y):
+        # Every micro-step starts from the same BN statistics: each group is one
+        # worker's update of the old running averages, later averaged (rule 9).
+        return parts.group_step(local_params, state.batch_stats, x, y)
+
+    if accum_loop == "unroll":
+        sums = micro_step(images[0], labels[0])
+        for i in range(1, accum_steps):
+            sums = jax.tree.map(jnp.add, sums, micro_step(images[i], labels[i]))
+    else:
+        zeros = jax.tree.map(
+            jnp.zeros_like, (state.params, state.batch_stats, jnp.float32(0), jnp.float32(0))
+        )
+        sums, _ = jax.lax.scan(
+            lambda sums, xy: (jax.tree.map(jnp.add, sums, micro_step(*xy)), None),
+            _varying(zeros),
+            (images, labels),
+        )
+    means = jax.lax.pmean(jax.tree.map(lambda s: s / accum_steps, sums), AXIS)
+    return parts.update(state, *means)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ExactParts:
+    """reduction='exact': the three programs of `grouped.GroupedStep`."""
+
+    parts: _StepParts
+    bn_momentum: float
+
+    def group(self, state: TrainState, batch: dict):
+        """One BN group's gradient, BN statistics update, loss and error (a program of its
+        own: `grouped`). The group sees running statistics of zero, so it returns
+        (1 - momentum) x its batch statistics; momentum x the old ones is added once, after
+        the sum (`update`)."""
+        zero_stats = jax.tree.map(jnp.zeros_like, state.batch_stats)
+        params = _varying(state.params)
+        results = self.parts.group_step(params, zero_stats, batch["image"], batch["label"])
+        return jax.tree.map(lambda r: r[None], results)
+
+    def mean(self, results: tuple) -> jax.Array:
+        """The mean over the kn images of every group's results, bit-identical on every
+        layout: the k groups summed in the fixed tree of `exact` (this device's groups in
+        order, then the devices in order) and divided by k. Returned flat, as
+        `ravel_pytree` flattens (gradients, statistics, loss, error): cut into leaves here,
+        each leaf's slice counted as a read of the whole vector on the TPU compile
+        (v5e-256: 2.98 + 3.13 GB for this program and the update, 2.48 + 2.48 GB flat)."""
+        stacked = jax.tree.map(lambda *r: jnp.concatenate(r), *results)
+        flat, _ = ravel_pytree(exact.tree_sum_leaves(stacked))
+        devices = jax.lax.axis_size(AXIS)
+        return exact.flat_device_sum(flat, AXIS, devices, len(results) * devices)
+
+    def update(self, state: TrainState, means: jax.Array):
+        """The update from the means (a program of its own, the same in every layout, so
+        its reductions, the norms, round the same way everywhere)."""
+        like = (state.params, state.batch_stats, jnp.float32(0), jnp.float32(0))
+        grads, stats, loss, error = ravel_pytree(like)[1](means)
+        momentum = self.bn_momentum
+        stats = jax.tree.map(lambda old, new: momentum * old + new, state.batch_stats, stats)
+        return self.parts.update(state, grads, stats, loss, error)
 
 
 def make_eval_step(

@@ -6,95 +6,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from largebatch_jax import parallel, schedules
-from largebatch_jax.models.resnet import CONV_IMPLS, DTYPES, MODEL_NAMES
-from largebatch_jax.optim import OPTIMIZERS, UPDATE_FORMS
-from largebatch_jax.step import REDUCTIONS
+from largebatch_jax import fields, grouped, parallel, schedules
 
 
 class ConfigError(ValueError):
     """A bad config value; the message is one line."""
 
 
-def _positive(v):
-    return v > 0
-
-
-def _non_negative(v):
-    return v >= 0
-
-
-# Far beyond any run (the paper's is 90); keeps step counts within 32-bit integers.
-MAX_EPOCHS = 10_000
-
-# field: (types, check, what the check means)
+# field: (types, check, what the check means), from the one table of fields.
 RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
-    "seed": ((int,), lambda v: 0 <= v < 2**31, "in [0, 2**31) (JAX's 32-bit seeds)"),
-    "model": ((str,), lambda v: v in MODEL_NAMES, f"one of {MODEL_NAMES}"),
-    "num_classes": ((int,), _positive, "> 0"),
-    "image_size": ((int,), _positive, "> 0"),
-    "channels": ((int,), lambda v: v in (1, 3), "1 or 3"),
-    "width": ((int,), _positive, "> 0"),
-    "zero_init_residual": ((bool,), None, ""),
-    "dtype": ((str,), lambda v: v in DTYPES, f"one of {tuple(DTYPES)}"),
-    "conv_impl": (
-        (str,),
-        lambda v: v in CONV_IMPLS,
-        f"one of {tuple(CONV_IMPLS)}",
-    ),
-    "batch_size": ((int,), _positive, "> 0"),
-    "bn_group_size": ((int,), _positive, "> 0"),
-    "accum_steps": ((int,), _positive, "> 0"),
-    "accum_loop": (
-        (str,),
-        lambda v: v == "auto" or v in parallel.ACCUM_LOOPS,
-        f"'auto' or one of {parallel.ACCUM_LOOPS}",
-    ),
-    "bn_momentum": ((float,), lambda v: 0 <= v < 1, "in [0, 1)"),
-    "bn_epsilon": ((float,), _positive, "> 0"),
-    "bn_sync": ((bool,), None, ""),
-    "reduction": ((str,), lambda v: v in REDUCTIONS, f"one of {REDUCTIONS}"),
-    "base_lr": ((float, int), _positive, "> 0"),
-    "base_batch_size": ((int,), _positive, "> 0"),
-    "lr_scaling": (
-        (str,),
-        lambda v: v in schedules.LR_SCALING_RULES,
-        f"one of {schedules.LR_SCALING_RULES}",
-    ),
-    "lr_multiplier": ((float, int), _positive, "> 0"),
-    "warmup": ((str,), lambda v: v in schedules.WARMUP_KINDS, f"one of {schedules.WARMUP_KINDS}"),
-    "warmup_epochs": ((float, int), _non_negative, ">= 0"),
-    "lr_decay": ((str,), lambda v: v in schedules.DECAY_KINDS, f"one of {schedules.DECAY_KINDS}"),
-    "decay_factor": ((float,), lambda v: 0 < v <= 1, "in (0, 1]"),
-    "num_epochs": ((float, int), lambda v: 0 < v <= MAX_EPOCHS, f"in (0, {MAX_EPOCHS}]"),
-    "optimizer": ((str,), lambda v: v in OPTIMIZERS, f"one of {OPTIMIZERS}"),
-    "momentum": ((float, int), lambda v: 0 <= v < 1, "in [0, 1)"),
-    "nesterov": ((bool,), None, ""),
-    "weight_decay": ((float, int), _non_negative, ">= 0"),
-    "decay_batchnorm": ((bool,), None, ""),
-    "decay_bias": ((bool,), None, ""),
-    "update_form": ((str,), lambda v: v in UPDATE_FORMS, f"one of {UPDATE_FORMS}"),
-    "momentum_correction": ((bool,), None, ""),
-    "lars_trust_coefficient": ((float,), _positive, "> 0"),
-    "dataset": ((str,), bool, "a dataset name"),
-    "data_dir": ((str,), None, ""),
-    "workers": ((int,), _non_negative, ">= 0"),
-    "eval_batch_size": ((int,), _positive, "> 0"),
-    "color_augment": ((bool,), None, ""),
-    "train_subset": ((int,), _non_negative, ">= 0"),
-    "eval_subset": ((int,), _non_negative, ">= 0"),
-    "log_every_steps": ((int,), _positive, "> 0"),
-    "eval_every_epochs": ((float, int), _positive, "> 0"),
-    "checkpoint_every_steps": ((int,), _positive, "> 0"),
-    "keep_checkpoints": ((int,), _positive, "> 0"),
-    "result_last_epochs": ((float,), _positive, "> 0"),
-    "prefetch_batches": ((int,), _non_negative, ">= 0"),
-    "skip_nonfinite": ((bool,), None, ""),
-    "parallelism": (
-        (str,),
-        lambda v: v in parallel.PARALLELISMS,
-        f"one of {parallel.PARALLELISMS}",
-    ),
+    name: (f.types, f.check, f.meaning) for name, f in fields.FIELDS.items() if f.types
 }
 
 
@@ -146,11 +67,10 @@ def validate_fields(config: Any) -> None:
         raise ConfigError(
             f"config.decay_epochs={decays!r} must be a tuple of epochs, e.g. (30, 60, 80)."
         )
-    if any(e > config.num_epochs for e in config.decay_epochs):
-        raise ConfigError(
-            f"config.decay_epochs={tuple(config.decay_epochs)} go past "
-            f"num_epochs={config.num_epochs}: lower them or raise num_epochs."
-        )
+    try:
+        schedules.check_decay_epochs(config.decay_epochs, config.num_epochs)
+    except ValueError as e:
+        raise ConfigError(f"config.{e}") from None
     warms = schedules.warmup_applies(config.batch_size, config.base_batch_size)
     warms = warms and config.warmup != "none"
     if warms and config.decay_epochs and config.warmup_epochs > min(config.decay_epochs):
@@ -166,7 +86,7 @@ def _check_exact(config: Any, num_devices: int) -> None:
     groups per device; per-worker BN; no reduction the optimizer makes itself."""
     kn, n = config.batch_size, config.bn_group_size
     groups = kn // num_devices // n
-    if groups & (groups - 1):
+    if not grouped.whole_power_of_two_groups(kn // num_devices, n):
         raise ConfigError(
             f"config.reduction='exact' needs a power-of-two number of BN groups per device, "
             f"but batch_size={kn} / {num_devices} devices / bn_group_size={n} = {groups}: "

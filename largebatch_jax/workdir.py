@@ -19,7 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 import ml_collections
 
-from largebatch_jax import schedules
+from largebatch_jax import fields, schedules
 from largebatch_jax.lock import WorkdirError
 from largebatch_jax.validate import ConfigError
 
@@ -87,39 +87,11 @@ def is_disk_full(error: BaseException) -> bool:
 
 RECORD = "run_config.json"
 
-# The only fields a resumed run may change: they do not enter its math. Paths and host
-# resources; logging, evaluation and checkpoint intervals (what is reported, not what is
-# trained); the layout, which the invariance promise makes free (DESIGN.md); and
-# skip_nonfinite, which changes no update that the run has made (a non-finite update
-# leaves the state as it was either way: it only stops the run or not). num_epochs
-# may change too, but only while the learning rate of every step already trained stays
-# the same (step decay: extending a run; not cosine, which spans num_epochs).
-MAY_CHANGE = (
-    "data_dir",
-    "workers",
-    "prefetch_batches",
-    "log_every_steps",
-    "eval_every_epochs",
-    "eval_batch_size",
-    "checkpoint_every_steps",
-    "keep_checkpoints",
-    "result_last_epochs",
-    "accum_steps",
-    "accum_loop",
-    "parallelism",
-    "skip_nonfinite",
-)
-
-
-# Fields added to the config since workdirs record theirs, each with the value that gives
-# the math of the runs recorded before it existed. A record without one of these fields
-# may resume only at that value. A math field added later must be listed here (or in
-# MAY_CHANGE); tests/test_faults.py fails until it is, and an unlisted field missing
-# from a record stops the resume rather than being guessed.
-BEFORE_FIELD: dict[str, Any] = {
-    "reduction": "fast",
-    "lr_multiplier": 1.0,
-}
+# What a resume may change (fields.MAY_CHANGE: every role but the math), and the value a
+# field newer than a record counts as (fields.BEFORE_FIELD). A math field the record
+# lacks and the table gives no such value stops the resume rather than being guessed.
+MAY_CHANGE = fields.MAY_CHANGE
+BEFORE_FIELD: dict[str, Any] = fields.BEFORE_FIELD
 
 
 def _plain(value: Any) -> Any:

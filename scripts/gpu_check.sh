@@ -80,7 +80,7 @@ for batch in $BATCHES; do
     else
       echo "(the deviceless compile failed: $(tail -n 1 "$work/aot.log"))"
     fi
-    "$PYTHON" experiments/benchmark.py --model=resnet50 "${devices[@]}" \
+    "$PYTHON" -m experiments.benchmark --model=resnet50 "${devices[@]}" \
       --per_device_batch="$batch" --dtype="$dtype" --conv_impl=xla --steps="$STEPS" --repeats=1 \
       "${compare[@]}"
   done

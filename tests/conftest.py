@@ -9,6 +9,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Exact mode (the default) on CPU needs XLA:CPU's thread count fixed before JAX starts, as
+# main.py fixes it (exact.fix_cpu_threads): the same for the tests' in-process runs.
+os.environ.setdefault("NPROC", "16")  # exact.CPU_THREADS
 # One persistent compilation cache per test session, shared by every subprocess run
 # (tests/runs.py passes os.environ on): dozens of runs compile the same smoke program,
 # and a cached executable is the one XLA would build again (the same params_sha256).

@@ -77,15 +77,22 @@ def command(workdir, data_dir, *overrides, config="configs/smoke.py", processes=
     return [sys.executable, *main]
 
 
-def run(workdir, data_dir, *overrides, timeout=300, extra_env=None, **kwargs):
+def call(args, timeout=300, environ=None):
+    """A command from the repository root with the tests' environment (or `environ`), its
+    output captured as text."""
     return subprocess.run(
-        command(workdir, data_dir, *overrides, **kwargs),
+        args,
         cwd=ROOT,
-        env=env(**(extra_env or {})),
+        env=env() if environ is None else environ,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def run(workdir, data_dir, *overrides, timeout=300, extra_env=None, **kwargs):
+    """`main.py` (see `command`) to its end."""
+    return call(command(workdir, data_dir, *overrides, **kwargs), timeout, env(**(extra_env or {})))
 
 
 def start(workdir, data_dir, *overrides, extra_env=None, **kwargs):

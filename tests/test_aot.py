@@ -55,6 +55,7 @@ def _config(devices: int, per_device: int, accum_steps: int = 1, **fields):
     config = smoke.get_config()
     config.batch_size = devices * per_device
     config.accum_steps = accum_steps
+    config.reduction = "fast"  # XLA's all-reduce; the exact mode's tests name reduction
     for k, v in fields.items():
         config[k] = v
     return config
@@ -335,7 +336,7 @@ def test_gpu_compile_runs_the_pip_ptx_assembler(tmp_path):
     out = subprocess.run(
         ["strace", "-f", "-qq", "-e", "trace=execve", "-o", str(trace), sys.executable,
          "-m", "largebatch_jax.aot", "--config=configs/smoke.py", "--topology=h100:1x2",
-         "--per_device_batch=8"],
+         "--per_device_batch=8", "--config.reduction=fast"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]

@@ -1,9 +1,8 @@
 """One wiring for every caller: the step module imports no data, decoding or logging
-stack, and the benchmark compiles exactly the program the trainer (main.py) runs."""
+stack, and the benchmark compiles exactly the program the training loop (main.py) runs."""
 
 import hashlib
 import importlib.util
-import subprocess
 import sys
 
 import jax
@@ -11,10 +10,10 @@ import numpy as np
 import pytest
 
 from configs import smoke
-from largebatch_jax import parallel, trainer
+from largebatch_jax import parallel, train
 from largebatch_jax.builder import build_training
 from largebatch_jax.data import loader
-from tests.runs import ROOT, env
+from tests.runs import ROOT, call
 
 BLOCKED = ("clu", "tensorflow", "tensorflow_datasets", "grain", "orbax", "cv2", "simplejpeg")
 
@@ -51,14 +50,7 @@ print("devices", jax.device_count(), "step", int(state.step), "loss",
 
 
 def test_step_imports_and_runs_without_the_data_and_logging_stack():
-    out = subprocess.run(
-        [sys.executable, "-c", LEAN_PROGRAM],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = call([sys.executable, "-c", LEAN_PROGRAM], timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith("devices 8 step 1 loss ") and line.endswith("loaded: []"), line
@@ -81,18 +73,18 @@ def _hlo_hash(fn, *args) -> str:
 def test_benchmark_times_the_program_main_py_runs(tmp_path, fashion_mnist_dir):
     config = smoke.get_config()
     config.data_dir = fashion_mnist_dir
-    run = trainer.build(config, tmp_path / "wd")
-    batch, _ = next(trainer._device_batches(run))
-    theirs = _hlo_hash(run.training.train_step, run.state, batch)
+    run, state, _ = train.build(config, tmp_path / "wd")
+    batch, _ = next(train.loop.device_batches(run))
+    theirs = _hlo_hash(run.training.train_step, state, batch)
     eval_batch = run.engine.shard_batch(
         next(loader.eval_batches(run.data.eval, run.data.augment, config.eval_batch_size))
     )
-    eval_theirs = _hlo_hash(run.training.eval_step, run.state, eval_batch)
+    eval_theirs = _hlo_hash(run.training.eval_step, state, eval_batch)
 
     benchmark = _load_benchmark()
     engine = parallel.DataParallel(parallel.create_mesh())
     # --input=real: the config's data and the same builder.
-    training = benchmark.ours(config, engine, trainer.load_data(config).steps_per_epoch)
+    training = benchmark.ours(config, engine, train.load_data(config).steps_per_epoch)
     assert _hlo_hash(training.train_step, training.state, batch) == theirs
     # --input=synthetic --config=configs/smoke.py with the config's own kn (8 x 8 images).
     args = benchmark.parse_args(["--config=configs/smoke.py", "--per_device_batch=8"])

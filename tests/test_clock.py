@@ -4,7 +4,7 @@ the total survives a resume."""
 import pytest
 
 from largebatch_jax.metrics import TrainClock
-from largebatch_jax.trainer import RunState
+from largebatch_jax.train.state import Progress
 
 
 class FakeTimer:
@@ -47,9 +47,9 @@ def test_the_total_continues_from_the_checkpoint_after_a_resume():
     first = TrainClock(total_steps=100, start_step=0, timer=timer)
     first.start()
     timer.now += 12.0
-    saved = RunState(step=40, train_seconds=first.total_seconds()).to_json()
+    saved = Progress(step=40, train_seconds=first.total_seconds()).to_json()
     timer.now += 5.0  # trained past the checkpoint, then killed: those steps rerun
-    host = RunState.from_json(saved)
+    host = Progress.from_json(saved)
     second = TrainClock(100, host.step, host.train_seconds, timer=timer)
     timer.now += 20.0  # start-up of the second session
     second.start()
@@ -62,6 +62,6 @@ def test_the_total_continues_from_the_checkpoint_after_a_resume():
 
 def test_run_state_reads_checkpoints_written_before_it_had_a_clock():
     old = {"epoch_sums": {"1": [0.5, 1.0, 3]}, "data": {"step": 8}, "skipped": 1, "step": 8}
-    host = RunState.from_json(old)
+    host = Progress.from_json(old)
     assert (host.step, host.skipped, host.train_seconds) == (8, 1, 0.0)
     assert host.to_json() == {**old, "train_seconds": 0.0}

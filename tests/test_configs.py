@@ -11,10 +11,7 @@ from tests.runs import ROOT
 
 
 def _sweep():
-    spec = importlib.util.spec_from_file_location("sweep", ROOT / "experiments/sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("experiments.sweep")
 
 
 GOOD = [
@@ -96,3 +93,29 @@ def test_flag_spelling_is_what_ml_collections_reads_back(field, value):
     config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)  # as main.py
     values(argv)
     assert values.config[field] == value
+
+
+def test_the_field_table_is_the_one_list_the_others_derive_from():
+    """configs/base.py, the validation, the resume comparison and the cross-process check
+    all read largebatch_jax/fields.py: one entry per field, each with a role, and every
+    value assumed for records older than a field is a value the field takes."""
+    from largebatch_jax import fields, validate
+    from largebatch_jax import workdir as wd
+
+    table = fields.FIELDS
+    assert set(base.get_config()) == set(table)
+    assert {k: v for k, v in base.get_config().items()} == {k: f.default for k, f in table.items()}
+    # Every field's type and check, but decay_epochs, which validate checks itself.
+    assert set(validate.RULES) == set(table) - {"decay_epochs"}
+    roles = {f.role for f in table.values()}
+    assert roles == {fields.MATH, fields.LAYOUT, fields.REPORTING, fields.HOST}
+    assert set(wd.MAY_CHANGE) == {k for k, f in table.items() if f.role != fields.MATH}
+    assert set(fields.HOST_LOCAL) == {"data_dir", "workers"}
+    assert wd.BEFORE_FIELD == {"reduction": "fast", "lr_multiplier": 1.0}
+    for name, before in wd.BEFORE_FIELD.items():
+        assert table[name].role == fields.MATH and validate.RULES[name][1](before)
+    # The check runs: a field's bad value is refused naming it.
+    config = base.get_config()
+    config.reduction = "slow"
+    with pytest.raises(validate.ConfigError, match=r"config.reduction='slow' must be one of"):
+        validate.validate_fields(config)

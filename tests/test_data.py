@@ -15,8 +15,8 @@ from PIL import Image
 
 from largebatch_jax import parallel
 from largebatch_jax import step as step_lib
+from largebatch_jax.data import idx, loader, photos, sources, transforms
 from largebatch_jax.data import jpeg as jpeg_lib
-from largebatch_jax.data import loader, photos, sources, transforms
 from largebatch_jax.data.photos import photo_jpeg
 from largebatch_jax.models import create_model
 from tests.runs import prepare_with_a_bad_record, run
@@ -226,7 +226,7 @@ def test_flip_happens_about_half_the_time_and_only_from_the_seed():
 # Against PIL's full decode + antialiased bilinear resize, 20 training windows (both
 # flips) and the eval window per image: bounds on the mean absolute difference of one
 # image's 21 outputs, of one output, and on one pixel. The largest measured
-# (`python experiments/input_fidelity.py`, 2026-12-07): 4.02, 9.91 and 52 grey levels,
+# (`python -m experiments.input_fidelity`, 2026-12-07): 4.02, 9.91 and 52 grey levels,
 # all at 64 px from 2000x1500 (windows over 16x the output); at 224: 2.32, 4.78, 41.
 FIDELITY_SET_MEAN, FIDELITY_IMAGE_MEAN, FIDELITY_PIXEL = 4.5, 10.5, 56
 
@@ -363,7 +363,7 @@ def test_main_stops_at_an_undecodable_image_with_one_line(tmp_path):
         "--config.bn_group_size=2",
         "--config.train_subset=0",
         "--config.eval_subset=0",
-        "--config.eval_batch_size=8",
+        "--config.eval_batch_size=16",  # n=2 images per device, as exact evaluation needs
         "--config.eval_every_epochs=1.0",
         "--config.workers=2",
     )
@@ -389,7 +389,7 @@ def test_colour_augment_switch():
 
 
 def host_normalize(image, mean, std):
-    """The float32 host normalisation the loader did before issue 14 (the reference)."""
+    """A float32 host normalisation (the reference the uint8 batches are compared with)."""
     out = np.empty(image.shape, np.float32)
     for c in range(image.shape[-1]):
         np.subtract(image[..., c], np.float32(mean[c]), out=out[..., c], dtype=np.float32)
@@ -398,7 +398,7 @@ def host_normalize(image, mean, std):
 
 
 def host_small_transform(image, rng, size, mean, std, pad_crop=0, flip=False):
-    """Before issue 14: box-average to `size` on the host, then pad-crop and flip at that
+    """The reference: box-average to `size` on the host, then pad-crop and flip at that
     size, then normalise, all in float."""
     if image.shape[0] != size:
         f = image.shape[0] // size
@@ -588,7 +588,7 @@ def test_imagenet_eval_counts_each_image_once_on_8_devices(tiny_imagenet):
 
 @pytest.mark.slow
 def test_fashion_mnist_from_local_idx_files(fashion_mnist_dir):
-    idx_dir = Path(sources.DEFAULT_IDX_DIR)
+    idx_dir = Path(idx.DEFAULT_IDX_DIR)
     if not (idx_dir / "train-images-idx3-ubyte.gz").exists():
         pytest.skip(f"no Fashion-MNIST IDX files in {idx_dir} (make data)")
     tmp_path = fashion_mnist_dir
@@ -596,8 +596,8 @@ def test_fashion_mnist_from_local_idx_files(fashion_mnist_dir):
     test_src = sources.load_source("fashion_mnist", "test", str(tmp_path))
     assert len(train_src) == 60_000 and len(test_src) == 10_000
     # The same examples as the IDX files (tfds stores them in its own shuffled order).
-    idx_images = sources.read_idx(idx_dir / "t10k-images-idx3-ubyte.gz")
-    idx_labels = sources.read_idx(idx_dir / "t10k-labels-idx1-ubyte.gz")
+    idx_images = idx.read_idx(idx_dir / "t10k-images-idx3-ubyte.gz")
+    idx_labels = idx.read_idx(idx_dir / "t10k-labels-idx1-ubyte.gz")
 
     def keyed(images, labels):
         return sorted(
@@ -618,7 +618,6 @@ def test_grayscale_jpeg_becomes_rgb():
 
 
 def test_imagenet_config_arguments():
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from configs import imagenet
 
     c = imagenet.get_config(

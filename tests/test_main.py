@@ -13,10 +13,10 @@ import pytest
 from PIL import Image
 
 from configs import smoke
-from largebatch_jax import builder, trainer
+from largebatch_jax import builder, train
 from largebatch_jax.data import sources, transforms
 from largebatch_jax.metrics import read_metrics
-from largebatch_jax.trainer import paper_metric
+from largebatch_jax.train import paper_metric
 from largebatch_jax.validate import ConfigError
 from tests.runs import (
     LONGER,
@@ -118,9 +118,9 @@ def test_sigkill_then_sigterm_and_the_restarts_are_bit_identical(
     res = result(tmp_path)
     assert res["params_sha256"] == result(straight)["params_sha256"]
     # The curves are the uninterrupted ones (all but the timings): the SIGTERM's partial
-    # log interval went into the checkpoint's sums, not into a row of its own (issue 35).
+    # log interval went into the checkpoint's sums, not into a row of its own.
     assert without_timing(read_metrics(tmp_path)) == without_timing(read_metrics(straight))
-    # The training clock continued from the checkpoint's total (issue 13's honest timing).
+    # The training clock continued from the checkpoint's total.
     assert res["train_seconds"] > res["train_seconds_this_session"] > 0
 
 
@@ -150,7 +150,7 @@ def test_bad_config_is_one_line_naming_the_field(tmp_path, fashion_mnist_dir, fi
     with config.unlocked():
         setattr(config, field, value)
     with pytest.raises(ConfigError) as error:
-        trainer.train_and_evaluate(config, str(tmp_path / "wd"))
+        train.train_and_evaluate(config, str(tmp_path / "wd"))
     message = str(error.value)
     assert "\n" not in message and f"{field}=" in message, message
     assert not checkpoint_steps(tmp_path / "wd")  # failed before training
@@ -291,7 +291,7 @@ def test_plot_draws_the_curves(tmp_path, straight):
 
 @pytest.mark.parametrize("case", ["missing", "empty", "no_epoch"])
 def test_plot_refuses_a_workdir_without_curves(tmp_path, case):
-    """Issue 35, case 9: a missing workdir, an empty one and one whose run has not
+    """A missing workdir, an empty one and one whose run has not
     finished an epoch: exit 2 with one line naming it, and no figure."""
     workdir = tmp_path / "wd"
     if case != "missing":

@@ -19,6 +19,7 @@ from largebatch_jax.metrics import read_metrics
 from tests.runs import (
     LAUNCH,
     ROOT,
+    call,
     checkpoint_steps,
     command,
     env,
@@ -110,7 +111,7 @@ def test_two_processes_equal_one_process(one_process, two_processes):
 def test_processes_read_disjoint_shares_that_cover_the_epoch(tmp_path, fashion_mnist_dir):
     """Remark 4 across processes: one epoch, each process its own share of every global
     batch; assembled on the mesh, the global batches are the one-process ones."""
-    proc = subprocess.run(
+    proc = call(
         [
             *launch_command(2, 4),
             "tests/multihost_probe.py",
@@ -119,10 +120,6 @@ def test_processes_read_disjoint_shares_that_cover_the_epoch(tmp_path, fashion_m
             "--batch_size=64",
             "--subset=512",
         ],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -151,14 +148,7 @@ def exact_probe(tmp_path_factory):
     out = tmp_path_factory.mktemp("exact_probe")
     base = ["tests/exact_probe.py"]
     for name, cmd in (("one", [sys.executable, *base]), ("two", [*launch_command(2, 4), *base])):
-        proc = subprocess.run(
-            [*cmd, f"--out={out / name}.json"],
-            cwd=ROOT,
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        proc = call([*cmd, f"--out={out / name}.json"], timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return {name: json.loads((out / f"{name}.json").read_text()) for name in ("one", "two")}
 
@@ -290,7 +280,7 @@ def test_processes_that_disagree_stop_with_exit_2(tmp_path, fashion_mnist_dir, d
 
 @pytest.mark.parametrize("case", ["port_in_use", "never_joined"])
 def test_a_start_up_that_cannot_join_is_one_line(tmp_path, case):
-    """Issue 35, case 7: process 0 of 2 whose coordinator port another program holds
+    """Process 0 of 2 whose coordinator port another program holds
     (JAX would crash binding it), or whose process 1 never starts: exit 2 and one line
     naming the problem and the fix, after at most the join timeout (here 5 s)."""
     import socket
@@ -363,7 +353,7 @@ sys.exit(1)  # process 0 gives up on its silent peer, as JAX's heartbeat check d
 
 
 def test_launcher_blames_a_stopped_process_not_the_one_that_lost_it(tmp_path):
-    """Issue 35, case 7: process 1 stopped (SIGSTOP), process 0 then fails: the launcher
+    """Process 1 stopped (SIGSTOP), process 0 then fails: the launcher
     names process 1 as the cause, and still stops it."""
     script = tmp_path / "stops.py"
     script.write_text(STOPS)
@@ -384,7 +374,7 @@ time.sleep(120)
 
 
 def test_a_killed_launcher_stops_its_processes(tmp_path):
-    """Issue 35, case 7: SIGKILL to the launcher (no chance to forward anything): each
+    """SIGKILL to the launcher (no chance to forward anything): each
     process gets SIGTERM (a preemption: save and stop), none is left running."""
     script = tmp_path / "sleeps.py"
     script.write_text(SLEEPS)
@@ -414,7 +404,7 @@ def running(pid: int) -> bool:
 
 
 def test_launcher_drops_gloo_lines_and_their_interleaved_pieces():
-    """Issue 35, case 7: a resumed 2-process run printed a stray `[p1] 7`, a piece of
+    """A resumed 2-process run printed a stray `[p1] 7`, a piece of
     Gloo's connection line cut by another device's thread."""
     import io
     import threading

@@ -378,7 +378,7 @@ def test_exact_mode_fixes_the_cpu_thread_count_and_refuses_one_below_the_devices
     assert kept == {"NPROC": "16"}
     assert exact.check_cpu_threads("cpu", 8, {"NPROC": "8"}) is None
     assert exact.check_cpu_threads("gpu", 8, {}) is None
-    assert "set NPROC=8 before JAX starts" in exact.check_cpu_threads("cpu", 8, {})
+    assert "set NPROC=16 before JAX starts" in exact.check_cpu_threads("cpu", 8, {})
     assert "NPROC=16 for every run" in exact.check_cpu_threads("cpu", 16, {"NPROC": "8"})
 
 
@@ -486,7 +486,7 @@ def test_pixels_become_float32_one_micro_batch_at_a_time(reduction):
 
 
 def test_an_overflowing_update_keeps_the_state_and_raises_the_flag():
-    """Issue 35, case 3: a finite loss and gradient times an overflowing learning rate
+    """A finite loss and gradient times an overflowing learning rate
     (the diverging run's first bad step): the update is flagged non-finite and the state
     keeps its parameters, BN statistics and momentum (the step and the schedule's count
     advance), so no checkpoint can hold the overflow."""

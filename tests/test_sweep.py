@@ -35,7 +35,8 @@ def sweep(tmp_path, data_dir, *args):
     return subprocess.run(
         [
             sys.executable,
-            "experiments/sweep.py",
+            "-m",
+            "experiments.sweep",
             *args,
             f"--runs={tmp_path / 'runs'}",
             f"--out={tmp_path / 'results'}",
@@ -50,7 +51,6 @@ def sweep(tmp_path, data_dir, *args):
 
 def sweep_here(capsys, tmp_path, *args):
     """sweep.main in this process (for what trains nothing): (exit code, stdout, stderr)."""
-    sys.path.insert(0, str(ROOT))
     from experiments import sweep as sweep_lib
 
     capsys.readouterr()
@@ -81,7 +81,7 @@ def test_sweep_runs_collects_and_resumes(tmp_path, fashion_mnist_dir):
         assert result["batch_size"] == int(r["batch_size"])
     # Markdown: one line per kn, mean +- std over the two seeds, and the command.
     table = (results / "smoke_grid.md").read_text()
-    assert "python experiments/sweep.py --name=smoke_grid" in table
+    assert "python -m experiments.sweep --name=smoke_grid" in table
     for kn in ("32", "64"):
         errors = [100 * float(r["error"]) for r in rows if r["batch_size"] == kn]
         (line,) = [x for x in table.splitlines() if x.startswith(f"| {kn} |")]
@@ -104,7 +104,6 @@ def test_sweep_rejects_unknown_fields_and_bad_values(tmp_path, capsys):
 
 
 def test_run_names_identify_runs():
-    sys.path.insert(0, str(ROOT))
     from configs import smoke
     from experiments import sweep as sweep_lib
 
@@ -224,7 +223,6 @@ def test_the_warmup_grids_go_through_the_config_validation(tmp_path, capsys):
 
 
 def test_the_loss_spike_is_the_largest_rise_above_the_lowest_loss_so_far():
-    sys.path.insert(0, str(ROOT))
     from experiments import sweep as sweep_lib
 
     logged = [(0.5, 2.0), (1.0, 1.2), (1.5, 1.9), (2.0, 1.0), (2.5, 1.8), (3.0, 9.0)]
@@ -237,7 +235,6 @@ def test_the_loss_spike_is_the_largest_rise_above_the_lowest_loss_so_far():
 
 
 def test_tables_show_fractions_of_training_short_and_the_csv_keeps_them_exact(tmp_path):
-    sys.path.insert(0, str(ROOT))
     from experiments import sweep as sweep_lib
 
     row = {
@@ -263,7 +260,7 @@ def test_a_preempted_run_is_resumed_not_failed(tmp_path, fashion_mnist_dir):
     it to the end."""
     one = [a for a in GRID if not a.startswith(("--grid", "--plot", "--curves"))]
     one += ["--set=train_subset=2048", "--set=checkpoint_every_steps=4"]
-    args = [sys.executable, "experiments/sweep.py", *one]
+    args = [sys.executable, "-m", "experiments.sweep", *one]
     args += [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'results'}"]
     sweep_env = {**env(), "TFDS_DATA_DIR": fashion_mnist_dir}
     proc = subprocess.Popen(

@@ -57,6 +57,69 @@ _PTXAS = flags.DEFINE_string(
 )
 
 
+def _sized(config: Any, where: Any, unit: str, per_device_batch: str | None) -> Any:
+    """The config with the micro-batch asked for: 'max' (the largest that fits), a number,
+    or the config's own."""
+    devices = where.engine.num_devices
+    if per_device_batch == "max":
+        print(f"largest micro-batch per {unit} on {where.target.name}:", flush=True)
+        return programs.with_micro_batch(
+            config, devices, programs.largest_micro_batch(config, where)
+        )
+    if per_device_batch:
+        return programs.with_micro_batch(config, devices, int(per_device_batch))
+    return config
+
+
+def _header(config: Any, target: Any, devices: int, micro: int, unit: str, assembler: str) -> str:
+    options = exact.compiler_options(target.platform) if config.reduction == "exact" else {}
+    return (
+        f"{config.model} kn={config.batch_size} n={config.bn_group_size} {config.dtype} "
+        f"{config.image_size}x{config.image_size} reduction={config.reduction} on "
+        f"{target.chip.name} {target.name} ({devices} {unit}s): {micro} images per {unit} x "
+        f"{config.accum_steps} accum_steps (resolved for {target.platform}: accum_loop "
+        f"{parallel.resolve_accum_loop(config.accum_loop, target.platform)}, max-pool "
+        f"gradient {'slices' if parallel.is_gpu(target.platform) else 'xla'}"
+        + (f", XLA options {options}" if options else "")
+        + f") | jax {jax.__version__}"
+        + (f" | {assembler}" if assembler else "")
+    )
+
+
+def _gradient_line(config: Any, ours: dict) -> str:
+    expected = programs.gradient_and_statistics_bytes(ours["state"])
+    # The gradients travel in the all-reduces (fast), or the all-to-all (exact: the
+    # reduce-scatter half of its deterministic sum).
+    kind = "all-to-all" if config.reduction == "exact" else "all-reduce"
+    carried = sum(c.bytes for c in ours["train"].collectives if c.kind == kind)
+    return (
+        f"gradients + BN statistics + 2 scalars: {report.size(expected)}; the train step's "
+        f"{kind}s carry {report.size(carried)}"
+        + (
+            " (XLA sends identical gradients once: a block's last BN bias and its "
+            "projection shortcut's BN bias get the same gradient)"
+            if carried < expected and kind == "all-reduce"
+            else ""
+        )
+    )
+
+
+def _reference(config: Any, where: Any, mine: Any, micro: int, unit: str) -> tuple[list, Any]:
+    """The Flax-example-style step compiled for the same target, and ours against it."""
+    chip = where.target.chip
+    ref = programs.compile_reference(config, where, micro)
+    lines = report.describe("train step (reference, Flax example style)", ref, chip, unit, micro)
+    # Per image: the reference has no accumulation, one step is one micro-batch.
+    steps = config.accum_steps
+    for label, a, b in (
+        ("bytes accessed", mine.bytes_accessed / steps, ref.bytes_accessed),
+        ("temporaries", mine.temp_bytes, ref.temp_bytes),
+        ("roofline time", mine.roofline_s(chip) / steps, ref.roofline_s(chip)),
+    ):
+        lines.append(f"ours / reference, {label} per micro-batch: {a / b:.2f}x")
+    return lines, report.as_dict(ref, chip, micro)
+
+
 def run(
     config: Any,
     topology: str,
@@ -77,27 +140,9 @@ def run(
     where = programs.site(target, options)
     devices = where.engine.num_devices
     unit = "GPU" if target.platform == "cuda" else "chip"
-    if per_device_batch == "max":
-        print(f"largest micro-batch per {unit} on {target.name}:", flush=True)
-        config = programs.with_micro_batch(
-            config, devices, programs.largest_micro_batch(config, where)
-        )
-    elif per_device_batch:
-        config = programs.with_micro_batch(config, devices, int(per_device_batch))
+    config = _sized(config, where, unit, per_device_batch)
     micro = validate_config(config, devices, target.platform)  # main.py's, for the target
-    program_options = exact.compiler_options(target.platform) if config.reduction == "exact" else {}
-    print(
-        f"{config.model} kn={config.batch_size} n={config.bn_group_size} {config.dtype} "
-        f"{config.image_size}x{config.image_size} reduction={config.reduction} on "
-        f"{target.chip.name} {target.name} ({devices} {unit}s): {micro} images per {unit} x "
-        f"{config.accum_steps} accum_steps (resolved for {target.platform}: accum_loop "
-        f"{parallel.resolve_accum_loop(config.accum_loop, target.platform)}, max-pool "
-        f"gradient {'slices' if parallel.is_gpu(target.platform) else 'xla'}"
-        + (f", XLA options {program_options}" if program_options else "")
-        + f") | jax {jax.__version__}"
-        + (f" | {assembler}" if assembler else ""),
-        flush=True,
-    )
+    print(_header(config, target, devices, micro, unit, assembler), flush=True)
     print(f"FLOPs and bytes: {programs.COST_SOURCES[target.platform]}.", flush=True)
     ours = programs.compile_ours(config, where, builder.known_steps_per_epoch(config))
     images = config.batch_size // devices
@@ -109,21 +154,7 @@ def run(
         )
     eval_images = max(1, config.eval_batch_size // devices)
     lines += report.describe("eval step (ours)", ours["eval"], target.chip, unit, eval_images)
-    expected = programs.gradient_and_statistics_bytes(ours["state"])
-    # The gradients travel in the all-reduces (fast), or the all-to-all (exact: the
-    # reduce-scatter half of its deterministic sum).
-    kind = "all-to-all" if config.reduction == "exact" else "all-reduce"
-    carried = sum(c.bytes for c in ours["train"].collectives if c.kind == kind)
-    lines.append(
-        f"gradients + BN statistics + 2 scalars: {report.size(expected)}; the train step's "
-        f"{kind}s carry {report.size(carried)}"
-        + (
-            " (XLA sends identical gradients once: a block's last BN bias and its "
-            "projection shortcut's BN bias get the same gradient)"
-            if carried < expected and kind == "all-reduce"
-            else ""
-        )
-    )
+    lines.append(_gradient_line(config, ours))
     figures: dict[str, Any] = {
         "target": target.name,
         "devices": devices,
@@ -133,23 +164,11 @@ def run(
         "reduction": config.reduction,
         "train": report.as_dict(ours["train"], target.chip, images),
         "eval": report.as_dict(ours["eval"], target.chip, eval_images),
-        "gradients_and_statistics_bytes": expected,
+        "gradients_and_statistics_bytes": programs.gradient_and_statistics_bytes(ours["state"]),
     }
     if reference:
-        ref = programs.compile_reference(config, where, micro)
-        lines += report.describe(
-            "train step (reference, Flax example style)", ref, target.chip, unit, micro
-        )
-        figures["reference"] = report.as_dict(ref, target.chip, micro)
-        mine = ours["train"]
-        # Per image: the reference has no accumulation, one step is one micro-batch.
-        steps = config.accum_steps
-        for label, a, b in (
-            ("bytes accessed", mine.bytes_accessed / steps, ref.bytes_accessed),
-            ("temporaries", mine.temp_bytes, ref.temp_bytes),
-            ("roofline time", mine.roofline_s(target.chip) / steps, ref.roofline_s(target.chip)),
-        ):
-            lines.append(f"ours / reference, {label} per micro-batch: {a / b:.2f}x")
+        ref_lines, figures["reference"] = _reference(config, where, ours["train"], micro, unit)
+        lines += ref_lines
     print("\n".join(lines), flush=True)
     if json_path:
         with open(json_path, "w") as f:

@@ -10,7 +10,6 @@ A source is indexable: `source[i] -> {'image': encoded bytes or uint8 array, 'la
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import os
 import re
 import shutil
@@ -22,8 +21,9 @@ import numpy as np
 from absl import logging
 
 from largebatch_jax.data import folder
+from largebatch_jax.data.errors import DatasetChangedError, DatasetNotPreparedError
+from largebatch_jax.data.idx import DEFAULT_IDX_DIR, local_fashion_mnist_builder
 
-DEFAULT_IDX_DIR = "/usr/share/datasets/fashion-mnist"
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
 IMAGENET_STD = (58.395, 57.12, 57.375)
 
@@ -75,14 +75,6 @@ def pixel_statistics(name: str) -> tuple[tuple[float, ...], tuple[float, ...], i
     if name.startswith(FOLDER_PREFIX):
         return IMAGENET_MEAN, IMAGENET_STD, None
     raise ValueError(f"dataset={name!r} is not one of {(*SPECS, FOLDER_PREFIX + '<name>')}.")
-
-
-class DatasetNotPreparedError(Exception):
-    """Raised with one line: which dataset, where we looked, the command that prepares it."""
-
-
-class DatasetChangedError(DatasetNotPreparedError):
-    """`prepare` refuses to reuse the prepared copy of an image folder that has changed."""
 
 
 def default_data_dir() -> str:
@@ -296,63 +288,45 @@ def _decode_all(source: Any) -> tuple[np.ndarray, np.ndarray]:
 # ----------------------------------------------------------------------------- preparing
 
 
-def read_idx(path: str | Path) -> np.ndarray:
-    """An IDX file (as distributed by MNIST / Fashion-MNIST), gzipped or not."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
-    ndim = data[3]
-    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-    return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
-
-
-def _idx_files(idx_dir: str) -> dict[str, Path]:
-    names = {
-        "train_images": "train-images-idx3-ubyte",
-        "train_labels": "train-labels-idx1-ubyte",
-        "test_images": "t10k-images-idx3-ubyte",
-        "test_labels": "t10k-labels-idx1-ubyte",
-    }
-    found = {}
-    for key, stem in names.items():
-        for candidate in (Path(idx_dir) / f"{stem}.gz", Path(idx_dir) / stem):
-            if candidate.exists():
-                found[key] = candidate
-                break
-        else:
-            raise DatasetNotPreparedError(
-                f"dataset 'fashion_mnist': {stem}[.gz] not found in {idx_dir} "
-                "(install Debian's dataset-fashion-mnist or pass --idx_dir)"
-            )
-    return found
-
-
-def _local_fashion_mnist_builder(idx_dir: str, data_dir: str) -> Any:
-    """tfds's own FashionMNIST builder, fed from local IDX files instead of its URLs:
-    the same features, splits and examples in the same order, written where
-    `tfds.builder('fashion_mnist')` reads them."""
+def _builder_for(
+    name: str, data_dir: str, manual_dir: str | None, idx_dir: str | None, root: str | None
+) -> tuple[Any, Callable[[], Any], Any]:
+    """The tfds builder that prepares `name`, the call that prepares it, and the scanned
+    image folder (None for the others)."""
     import tensorflow_datasets as tfds
-    from tensorflow_datasets.image_classification import mnist
 
-    files = _idx_files(idx_dir)
-
-    class LocalFashionMNIST(mnist.FashionMNIST, skip_registration=True):
-        name = "fashion_mnist"
-
-        def _split_generators(self, dl_manager):
-            del dl_manager
-            return [
-                tfds.core.SplitGenerator(name=split, gen_kwargs={"split": split})
-                for split in ("train", "test")
-            ]
-
-        def _generate_examples(self, split):
-            images = read_idx(files[f"{split}_images"])[..., None]
-            labels = read_idx(files[f"{split}_labels"])
-            for index, (image, label) in enumerate(zip(images, labels, strict=True)):
-                yield index, {"image": image, "label": int(label)}
-
-    return LocalFashionMNIST(data_dir=data_dir, file_format="array_record")
+    if name == "imagenet2012":
+        if not manual_dir:
+            raise DatasetNotPreparedError(
+                "imagenet2012 needs --manual_dir holding ILSVRC2012_img_train.tar and "
+                "ILSVRC2012_img_val.tar"
+            )
+        tars = [Path(manual_dir) / f"ILSVRC2012_img_{s}.tar" for s in ("train", "val")]
+        if not any(t.is_file() for t in tars):
+            raise DatasetNotPreparedError(
+                f"imagenet2012: neither {tars[0].name} nor {tars[1].name} is in {manual_dir}"
+            )
+        builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
+        config = tfds.download.DownloadConfig(manual_dir=manual_dir)
+        return builder, lambda: builder.download_and_prepare(download_config=config), None
+    if name == "fashion_mnist" and (idx_dir or Path(DEFAULT_IDX_DIR).is_dir()):
+        builder = local_fashion_mnist_builder(idx_dir or DEFAULT_IDX_DIR, data_dir)
+        return builder, builder.download_and_prepare, None
+    if name in ("fashion_mnist", "cifar10"):
+        builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
+        return builder, builder.download_and_prepare, None
+    if name.startswith(FOLDER_PREFIX) or name == "image_folder":
+        if not root:
+            raise DatasetNotPreparedError("image_folder needs --root (with train/ and val/)")
+        short = name[len(FOLDER_PREFIX) :] if name.startswith(FOLDER_PREFIX) else Path(root).name
+        folder_name(short)
+        try:
+            found = folder.scan(root)
+        except ValueError as e:
+            raise DatasetNotPreparedError(str(e)) from None
+        builder = folder.builder(found, short, data_dir)
+        return builder, builder.download_and_prepare, found
+    raise ValueError(f"dataset={name!r} is not one of {(*SPECS, 'image_folder')}.")
 
 
 def prepare(
@@ -371,43 +345,8 @@ def prepare(
     since is refused (DatasetChangedError) unless `overwrite`, which deletes the prepared
     copy and prepares it again (for any dataset: the fix for corrupt prepared files).
     `report` receives one line on what was prepared (an image folder's left-out files)."""
-    import tensorflow_datasets as tfds
-
     data_dir = os.path.expanduser(data_dir) if data_dir else default_data_dir()
-    found = None
-    if name == "imagenet2012":
-        if not manual_dir:
-            raise DatasetNotPreparedError(
-                "imagenet2012 needs --manual_dir holding ILSVRC2012_img_train.tar and "
-                "ILSVRC2012_img_val.tar"
-            )
-        tars = [Path(manual_dir) / f"ILSVRC2012_img_{s}.tar" for s in ("train", "val")]
-        if not any(t.is_file() for t in tars):
-            raise DatasetNotPreparedError(
-                f"imagenet2012: neither {tars[0].name} nor {tars[1].name} is in {manual_dir}"
-            )
-        builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
-        config = tfds.download.DownloadConfig(manual_dir=manual_dir)
-        make = lambda: builder.download_and_prepare(download_config=config)  # noqa: E731
-    elif name == "fashion_mnist" and (idx_dir or Path(DEFAULT_IDX_DIR).is_dir()):
-        builder = _local_fashion_mnist_builder(idx_dir or DEFAULT_IDX_DIR, data_dir)
-        make = builder.download_and_prepare
-    elif name in ("fashion_mnist", "cifar10"):
-        builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
-        make = builder.download_and_prepare
-    elif name.startswith(FOLDER_PREFIX) or name == "image_folder":
-        if not root:
-            raise DatasetNotPreparedError("image_folder needs --root (with train/ and val/)")
-        short = name[len(FOLDER_PREFIX) :] if name.startswith(FOLDER_PREFIX) else Path(root).name
-        folder_name(short)
-        try:
-            found = folder.scan(root)
-        except ValueError as e:
-            raise DatasetNotPreparedError(str(e)) from None
-        builder = folder.builder(found, short, data_dir)
-        make = builder.download_and_prepare
-    else:
-        raise ValueError(f"dataset={name!r} is not one of {(*SPECS, 'image_folder')}.")
+    builder, make, found = _builder_for(name, data_dir, manual_dir, idx_dir, root)
     version_dir = Path(builder.data_dir)
     prepared = (version_dir / "dataset_info.json").exists()
     if prepared and found is not None and not overwrite:

@@ -1,0 +1,5 @@
+import sys
+
+from experiments.sweep.cli import main
+
+sys.exit(main())

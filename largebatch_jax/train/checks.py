@@ -1,0 +1,126 @@
+"""What a run checks before it trains: that every process runs the same config, that
+one run at a time holds the workdir and every process sees it, that the workdir's record
+matches the config, and that the data fits the config. Each failure is one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+
+from largebatch_jax import fields, parallel
+from largebatch_jax import workdir as wd
+from largebatch_jax.data import sources
+from largebatch_jax.lock import WorkdirLock, read_lock_token
+from largebatch_jax.validate import ConfigError
+
+
+def processes_agree(config: Any) -> None:
+    values = {f"config.{k}": v for k, v in config.to_dict().items() if k not in fields.HOST_LOCAL}
+    values["local devices"] = jax.local_device_count()
+    # This process's own devices (jax.devices()[0] is process 0's in every process).
+    values["platform"] = jax.local_devices()[0].platform
+    values["jax version"] = jax.__version__
+    if config.reduction == "exact":  # the bits depend on the device model's kernels too
+        values["device kind"] = jax.local_devices()[0].device_kind
+    try:
+        parallel.check_processes_agree(values)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def lock_workdir(work: Path) -> WorkdirLock | None:
+    """Process 0 takes the workdir's lock for the whole run; every process learns whether
+    it did, so that all stop together when another run holds it."""
+    lock, error = None, ""
+    if jax.process_index() == 0:
+        try:
+            lock = WorkdirLock(work)
+            note = lock.acquire()
+            if note:
+                logging.warning("%s", note)
+        except wd.WorkdirError as e:
+            lock, error = None, str(e)
+    if jax.process_count() > 1:
+        held = multihost_utils.broadcast_one_to_all(np.int32(lock is not None or not error))
+        if not held and not error:
+            error = f"--workdir={work} is in use by another run (process 0 found its lock)."
+        if held:
+            error = error or _check_workdir_shared(work, lock)
+    if error:
+        if lock is not None:
+            lock.release()
+        raise wd.WorkdirError(error)
+    return lock
+
+
+def _token_word(token: str | None) -> np.ndarray:
+    """A lock's token (16 hex digits) as two int32 for a collective (JAX's default
+    integers are 32-bit); zeros for none."""
+    try:
+        return np.frombuffer(bytes.fromhex(str(token)[:16].rjust(16, "0")), np.int32).copy()
+    except ValueError:
+        return np.zeros(2, np.int32)
+
+
+def _check_workdir_shared(work: Path, lock: WorkdirLock | None) -> str:
+    """Every process must see the one workdir: each reads the token of the lock that
+    process 0 has just written and all compare it with process 0's. A folder on each
+    host's own disk would otherwise leave process 0 waiting for the others' part of the
+    first checkpoint forever. Returns the error, or "" when the workdir is shared."""
+    expected = multihost_utils.broadcast_one_to_all(_token_word(lock.token() if lock else None))
+    seen = _token_word(read_lock_token(work))
+    ok = multihost_utils.process_allgather(np.int32(np.array_equal(seen, expected)))
+    blind = [i for i, good in enumerate(np.ravel(ok)) if not good]
+    if not blind:
+        return ""
+    return (
+        f"--workdir={work} is not one folder that every process sees: process"
+        f"{'es' if len(blind) > 1 else ''} {', '.join(map(str, blind))} of "
+        f"{jax.process_count()} cannot see the lock process 0 wrote there: give every "
+        "process the same workdir on a file system they share (NFS, Lustre, GPFS), "
+        "not a folder on each host's disk."
+    )
+
+
+def record(config: Any, work: Path, checkpoints: list[int], steps_per_epoch: int) -> None:
+    """The workdir's record of the config that defines its run, against this config
+    (workdir.check_resume); a fresh workdir records this one."""
+    recorded = wd.read_record(work)
+    if checkpoints and recorded is not None:
+        wd.check_resume(recorded, config, max(checkpoints), steps_per_epoch)
+    elif checkpoints:
+        logging.warning(
+            "%s has checkpoints but no %s: recording this config",
+            work,
+            wd.RECORD,
+        )
+    if jax.process_index() == 0:
+        wd.write_record(work, config)
+
+
+def data_fits(config: Any, spec: sources.DatasetSpec, num_train: int) -> None:
+    if config.num_classes != spec.num_classes:
+        raise ConfigError(
+            f"config.num_classes={config.num_classes} but {config.dataset} has "
+            f"{spec.num_classes} classes: set num_classes={spec.num_classes}."
+        )
+    if config.channels != len(spec.mean):
+        raise ConfigError(
+            f"config.channels={config.channels} but {config.dataset} images have "
+            f"{len(spec.mean)}: set channels={len(spec.mean)}."
+        )
+    if not spec.large_images and spec.native_size % config.image_size:
+        raise ConfigError(
+            f"config.image_size={config.image_size} must divide {config.dataset}'s native size "
+            f"{spec.native_size} (images are downscaled by box averaging)."
+        )
+    if config.batch_size > num_train:
+        raise ConfigError(
+            f"config.batch_size={config.batch_size} is larger than the training set "
+            f"({num_train} images)."
+        )

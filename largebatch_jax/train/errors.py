@@ -1,0 +1,54 @@
+"""The faults a run turns into one line: a non-finite update, Ctrl-C, a full disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from largebatch_jax import workdir as wd
+
+
+class NonFiniteLossError(RuntimeError):
+    """An update was not finite (loss, gradient or updated state) and skip_nonfinite is
+    off; the message (`one_line_error`) names the step and the checkpoints kept."""
+
+    def __init__(self, step: int, epoch: float, message: str = ""):
+        super().__init__(message or f"non-finite loss, gradient or update at step {step}")
+        self.step, self.epoch = step, epoch
+
+
+class RunInterruptedError(Exception):
+    """SIGINT (Ctrl-C) stopped the run; the in-flight checkpoint save was finished first.
+    The message is one line naming the checkpoints kept."""
+
+
+def first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: " + (str(error).splitlines() or [""])[0]
+
+
+def one_line_error(
+    error: BaseException, kept: list[int], checkpoints: Path, workdir: Path
+) -> BaseException | None:
+    """The one-line error a known fault becomes (non-finite update, SIGINT, disk full),
+    or None. Called after the checkpointer has closed: every save has finished, and
+    `kept` are the steps of the checkpoints in `checkpoints`."""
+    where = f"checkpoints at steps {kept} in {checkpoints} are intact"
+    if isinstance(error, NonFiniteLossError):
+        return NonFiniteLossError(
+            error.step,
+            error.epoch,
+            f"non-finite loss, gradient or update at step {error.step} (epoch "
+            f"{error.epoch:.2f}): {where}; rerun the same command with "
+            f"--config.skip_nonfinite=True to resume from step {max(kept, default=0)} "
+            "skipping such updates, or lower the learning rate in a new workdir.",
+        )
+    if isinstance(error, KeyboardInterrupt):
+        return RunInterruptedError(
+            f"interrupted (SIGINT): {where}; rerun the same command to resume from step "
+            f"{max(kept, default=0)}."
+        )
+    if wd.is_disk_full(error):
+        return wd.WorkdirError(
+            f"no space left on the device of --workdir={workdir}: {where}; free space "
+            "and rerun the same command to resume."
+        )
+    return None

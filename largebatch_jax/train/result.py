@@ -1,0 +1,72 @@
+"""A run's result (rule 14's metric and what was run), written to result.json once."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from largebatch_jax import schedules
+from largebatch_jax import workdir as wd
+from largebatch_jax.checkpoint import tree_digest
+from largebatch_jax.metrics import TrainClock, read_metrics
+from largebatch_jax.train.state import Progress, Run
+
+RESULT = "result.json"
+
+
+def paper_metric(evals: list[dict], num_epochs: float, last_epochs: float) -> dict:
+    """Paper rule 14: a run's error is the median top-1 validation error of the
+    evaluations made in its last `last_epochs` epochs (5 in the paper)."""
+    used = [e for e in evals if e["epoch"] > num_epochs - last_epochs + 1e-9]
+    return {
+        "val_error_top1_median_last_epochs": (
+            float(np.median([e["val_error_top1"] for e in used])) if used else None
+        ),
+        "last_epochs": last_epochs,
+        "evaluations_used": [
+            {"epoch": e["epoch"], "val_error_top1": e["val_error_top1"]} for e in used
+        ],
+    }
+
+
+def finish(run: Run, state: Any, progress: Progress, clock: TrainClock) -> dict:
+    """The run's result from its metrics.jsonl and final state; written to result.json."""
+    c = run.config
+    evals = [r for r in read_metrics(run.workdir) if "val_error_top1" in r]
+    final = evals[-1] if evals else {}
+    result = {
+        **paper_metric(evals, c.num_epochs, c.result_last_epochs),
+        "final_val_error_top1": final.get("val_error_top1"),
+        "final_val_error_top5": final.get("val_error_top5"),
+        "steps": run.total_steps,
+        "epochs": c.num_epochs,
+        "skipped_steps": progress.skipped,
+        # Training time only (no evaluation, checkpoints or compiles), every session.
+        "train_seconds": clock.total_seconds(),
+        "train_seconds_this_session": clock.session_seconds(),
+        "wall_seconds_this_session": clock.wall_seconds(),
+        "paused_seconds_this_session": dict(clock.paused_seconds),
+        "params_sha256": tree_digest(state.params),
+        "batch_size": c.batch_size,
+        "bn_group_size": c.bn_group_size,
+        "peak_learning_rate": schedules.peak_learning_rate(
+            c.base_lr, c.base_batch_size, c.batch_size, c.lr_scaling, c.lr_multiplier
+        ),
+        "config": c.to_dict(),
+    }
+    if run.is_main:
+        wd.atomic_write_text(run.workdir / RESULT, json.dumps(result, indent=2, default=str) + "\n")
+    return result
+
+
+def finished_result(run: Run, progress: Progress) -> dict | None:
+    """A finished run's stored result: rerunning it trains nothing and rewrites nothing."""
+    path = run.workdir / RESULT
+    if progress.step < run.total_steps or not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None  # torn by a crash before it was written atomically: write it again
