@@ -3,7 +3,7 @@ field added after workdirs began recording their config, the value that gives th
 the runs recorded before it existed.
 
 Everything else derives from this table: `configs/base.py` (the defaults),
-`validate.RULES` (types and checks), `workdir.MAY_CHANGE` and `workdir.BEFORE_FIELD`
+`validate.RULES` (types and checks), `record.MAY_CHANGE` and `record.BEFORE_FIELD`
 (what a resume compares) and `HOST_LOCAL` (what the processes of one run need not share).
 Adding a field is one entry here; `tests/test_configs.py` checks the derivations.
 """
@@ -22,7 +22,7 @@ from largebatch_jax.optim import OPTIMIZERS, UPDATE_FORMS
 from largebatch_jax.step import REDUCTIONS
 
 # Roles. MATH: enters the updates, so a resume must keep it (num_epochs may grow while the
-# learning rate of every step trained stays the same: workdir.check_resume). LAYOUT: how
+# learning rate of every step trained stays the same: record.check_resume). LAYOUT: how
 # the same math is laid out on devices and steps (the invariance promise makes it free).
 # REPORTING: what is reported and saved, and when; whether a non-finite update stops the
 # run (it changes no update made). HOST: paths and host resources, which may also differ

@@ -1,27 +1,18 @@
-"""The workdir of one run: its path (one run at a time in it: lock.py), the record of the
-config that defines the run's math (compared on every resume), and files written so that
-a crash can never leave them unreadable.
+"""The workdir of one run: its path, writability, files written so that a crash can never
+leave them unreadable, and disk-full detection. One run at a time holds it (lock.py); the
+record of the config that defines its run is record.py.
 
-Every failure here is one line (WorkdirError, or ConfigError for a config that does not
-match the workdir's run); main.py turns both into exit code 2.
+Every failure here is one line (WorkdirError); main.py turns it into exit code 2.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
-import json
 import os
 from pathlib import Path
-from typing import Any
 
-import jax.numpy as jnp
-import ml_collections
-
-from largebatch_jax import fields, schedules
 from largebatch_jax.lock import WorkdirError
-from largebatch_jax.validate import ConfigError
 
 
 def resolve(workdir: str | Path) -> Path:
@@ -81,122 +72,3 @@ def is_disk_full(error: BaseException) -> bool:
             return True
         stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
     return False
-
-
-# ----------------------------------------------------------------------------- the record
-
-RECORD = "run_config.json"
-
-# What a resume may change (fields.MAY_CHANGE: every role but the math), and the value a
-# field newer than a record counts as (fields.BEFORE_FIELD). A math field the record
-# lacks and the table gives no such value stops the resume rather than being guessed.
-MAY_CHANGE = fields.MAY_CHANGE
-BEFORE_FIELD: dict[str, Any] = fields.BEFORE_FIELD
-
-
-def _plain(value: Any) -> Any:
-    return json.loads(json.dumps(value))  # tuples -> lists, as the record stores them
-
-
-def read_record(workdir: Path) -> dict | None:
-    path = workdir / RECORD
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise WorkdirError(
-            f"{path} is not readable ({e}): restore it from the run's result.json 'config', "
-            "or use a new workdir."
-        ) from None
-
-
-def write_record(workdir: Path, config: Any) -> None:
-    atomic_write_text(workdir / RECORD, json.dumps(_plain(config.to_dict()), indent=2) + "\n")
-
-
-def check_resume(recorded: dict, config: Any, step: int, steps_per_epoch: int) -> None:
-    """The config of a run resumed at `step` against the recorded one: every field that
-    changes the math must be equal; ConfigError (one line: the fields, both values, the
-    fix) otherwise. A field newer than the record counts as its BEFORE_FIELD value; a
-    field the code no longer has is ignored (it cannot be set)."""
-    current = _plain(config.to_dict())
-    skip = set(MAY_CHANGE) | {"num_epochs"}
-    unknown = sorted(set(current) - set(recorded) - skip - set(BEFORE_FIELD))
-    if unknown:
-        raise ConfigError(
-            f"this workdir's {RECORD} has no field {', '.join(unknown)}, so what its run was "
-            "trained with is unknown: add the field with its value to the record, or use "
-            "a new workdir."
-        )
-    recorded = {**{f: _plain(v) for f, v in BEFORE_FIELD.items()}, **recorded}
-    shared = sorted(set(recorded) & set(current) - skip)
-    for f in shared:
-        if _kind(recorded[f]) != _kind(current[f]):
-            raise ConfigError(
-                f"this workdir's {RECORD} has {f}={recorded[f]!r}, not a value of the field's "
-                f"type ({type(current[f]).__name__}): the record was edited or damaged: "
-                "restore it (result.json holds a copy of the config) or use a new workdir."
-            )
-    differ = [f for f in shared if recorded[f] != current[f]]
-    if differ:
-        what = ", ".join(f"{f}={recorded[f]!r} (this config: {current[f]!r})" for f in differ)
-        fix = " ".join(f"--config.{f}={_flag(recorded[f])}" for f in differ)
-        raise ConfigError(
-            f"the run in this workdir was trained with {what}; resuming would change its "
-            f"math: rerun with {fix}, or use a new workdir."
-        )
-    before, now = recorded.get("num_epochs"), current["num_epochs"]
-    if before is None or before == now:
-        return
-    total = schedules.epochs_to_steps(now, steps_per_epoch)
-    if step > total:
-        raise ConfigError(
-            f"config.num_epochs={now} ({total} steps) ends before this workdir's checkpoint at "
-            f"step {step} (trained with num_epochs={before}): rerun with "
-            f"--config.num_epochs={before}, or use a new workdir."
-        )
-    old = schedules.create_learning_rate_schedule(
-        ml_collections.ConfigDict({**dict(current), **recorded}), steps_per_epoch
-    )
-    new = schedules.create_learning_rate_schedule(config, steps_per_epoch)
-    steps = jnp.arange(step)
-    if step and not bool(jnp.all(old(steps) == new(steps))):
-        raise ConfigError(
-            f"config.num_epochs={now} (trained with {before}) changes the learning rate of "
-            f"the {step} steps already trained (lr_decay={config.lr_decay!r}): rerun with "
-            f"--config.num_epochs={before}, or use a new workdir."
-        )
-
-
-def run_identity(config: Any) -> str:
-    """The identity of the run a config defines, stamped on its checkpoints: the sha256 of
-    every field that changes the math (not MAY_CHANGE, not num_epochs), where a field at
-    its BEFORE_FIELD value counts as absent (so adding a field keeps old identities).
-    Numbers count as floats, as check_resume compares them (1 == 1.0)."""
-    skip = set(MAY_CHANGE) | {"num_epochs"}
-    fields = {
-        f: _as_float(v)
-        for f, v in _plain(config.to_dict()).items()
-        if f not in skip and not (f in BEFORE_FIELD and v == _plain(BEFORE_FIELD[f]))
-    }
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-
-
-def _as_float(value: Any) -> Any:
-    if isinstance(value, list):
-        return [_as_float(v) for v in value]
-    return float(value) if _kind(value) == "number" else value
-
-
-def _kind(value: Any) -> str:
-    """A value's JSON kind: numbers are one kind (a float field may hold 1 or 1.0)."""
-    if isinstance(value, bool):
-        return "bool"
-    return "number" if isinstance(value, int | float) else type(value).__name__
-
-
-def _flag(value: Any) -> str:
-    if isinstance(value, list):
-        return "(" + ",".join(map(str, value)) + ("," if len(value) == 1 else "") + ")"
-    return str(value)

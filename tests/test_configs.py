@@ -100,7 +100,7 @@ def test_the_field_table_is_the_one_list_the_others_derive_from():
     all read largebatch_jax/fields.py: one entry per field, each with a role, and every
     value assumed for records older than a field is a value the field takes."""
     from largebatch_jax import fields, validate
-    from largebatch_jax import workdir as wd
+    from largebatch_jax import record as run_record
 
     table = fields.FIELDS
     assert set(base.get_config()) == set(table)
@@ -109,10 +109,10 @@ def test_the_field_table_is_the_one_list_the_others_derive_from():
     assert set(validate.RULES) == set(table) - {"decay_epochs"}
     roles = {f.role for f in table.values()}
     assert roles == {fields.MATH, fields.LAYOUT, fields.REPORTING, fields.HOST}
-    assert set(wd.MAY_CHANGE) == {k for k, f in table.items() if f.role != fields.MATH}
+    assert set(run_record.MAY_CHANGE) == {k for k, f in table.items() if f.role != fields.MATH}
     assert set(fields.HOST_LOCAL) == {"data_dir", "workers"}
-    assert wd.BEFORE_FIELD == {"reduction": "fast", "lr_multiplier": 1.0}
-    for name, before in wd.BEFORE_FIELD.items():
+    assert run_record.BEFORE_FIELD == {"reduction": "fast", "lr_multiplier": 1.0}
+    for name, before in run_record.BEFORE_FIELD.items():
         assert table[name].role == fields.MATH and validate.RULES[name][1](before)
     # The check runs: a field's bad value is refused naming it.
     config = base.get_config()

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from configs import smoke
+from largebatch_jax import record as run_record
 from largebatch_jax import workdir as wd
 from largebatch_jax.data import sources
 from largebatch_jax.lock import WorkdirLock, process_start_time
@@ -134,7 +135,7 @@ def test_resume_refuses_a_changed_config_and_a_finished_run_changes_nothing(
     out = run(half, fashion_mnist_dir, *LONGER, "--config.seed=1", "--config.base_lr=0.2")
     assert out.returncode == 2
     one_error(out, "base_lr=0.1 (this config: 0.2), seed=0 (this config: 1)")
-    record = half / wd.RECORD  # edited by hand: a number written as a string
+    record = half / run_record.RECORD  # edited by hand: a number written as a string
     original = record.read_text()
     record.write_text(original.replace('"batch_size": 64', '"batch_size": "64"'))
     out = run(half, fashion_mnist_dir, *LONGER)
@@ -153,37 +154,37 @@ def test_resume_rules_for_num_epochs(tmp_path):
     rec = json.loads(json.dumps(recorded.to_dict()))
     longer = smoke.get_config()
     longer.num_epochs = 3.0
-    wd.check_resume(rec, longer, 20, 16)  # step decay: extending the run is the same math
+    run_record.check_resume(rec, longer, 20, 16)  # step decay: extending the run is the same math
     cosine = ml_collections.ConfigDict(dict(rec, lr_decay="cosine"))
     cosine_longer = smoke.get_config()
     cosine_longer.lr_decay, cosine_longer.num_epochs = "cosine", 4.0
     with pytest.raises(ConfigError, match="changes the learning rate of the 13 steps"):
-        wd.check_resume(cosine.to_dict(), cosine_longer, 13, 16)
+        run_record.check_resume(cosine.to_dict(), cosine_longer, 13, 16)
     shorter = smoke.get_config()
     shorter.num_epochs, shorter.decay_epochs = 1.0, (0.5, 0.75)
     with pytest.raises(ConfigError, match="decay_epochs"):
-        wd.check_resume(rec, shorter, 32, 16)
+        run_record.check_resume(rec, shorter, 32, 16)
     shorter.decay_epochs = recorded.decay_epochs = (0.5, 0.75)
     rec = json.loads(json.dumps(recorded.to_dict()))
     with pytest.raises(ConfigError, match=r"ends before this workdir's checkpoint at step 32"):
-        wd.check_resume(rec, shorter, 32, 16)
+        run_record.check_resume(rec, shorter, 32, 16)
     changed = smoke.get_config()
     changed.accum_steps, changed.workers, changed.data_dir = 2, 3, "/elsewhere"
-    wd.check_resume(json.loads(json.dumps(smoke.get_config().to_dict())), changed, 16, 16)
+    run_record.check_resume(json.loads(json.dumps(smoke.get_config().to_dict())), changed, 16, 16)
 
 
 def test_the_run_identity_changes_with_the_math_only():
     """A checkpoint's stamp: equal for every config a resume accepts (MAY_CHANGE fields,
     num_epochs, a number written as an int), different for any field of the math."""
-    base = wd.run_identity(smoke.get_config())
+    base = run_record.run_identity(smoke.get_config())
     same = smoke.get_config()
     same.workers, same.accum_steps, same.num_epochs, same.parallelism = 3, 2, 9.0, "pmap"
     same.checkpoint_every_steps, same.data_dir, same.base_lr = 1, "/elsewhere", 0.1
-    assert wd.run_identity(same) == base
+    assert run_record.run_identity(same) == base
     for field, value in [("lr_multiplier", 100.0), ("seed", 1), ("decay_epochs", (1.0,))]:
         other = smoke.get_config()
         other[field] = value
-        assert wd.run_identity(other) != base, field
+        assert run_record.run_identity(other) != base, field
 
 
 def flip_bytes(path: Path, count: int = 3) -> None:
@@ -295,21 +296,21 @@ def test_sigterm_during_start_up_is_one_line_and_releases_the_lock(tmp_path, fas
 
 def test_a_record_older_than_a_field_resumes_only_at_the_fields_old_value():
     old = json.loads(json.dumps(smoke.get_config().to_dict()))
-    for field in wd.BEFORE_FIELD:
+    for field in run_record.BEFORE_FIELD:
         del old[field]
     same = smoke.get_config()
     same.reduction = "fast"  # the old records' math (exact is the default now)
-    wd.check_resume(old, same, 16, 16)
+    run_record.check_resume(old, same, 16, 16)
     higher = smoke.get_config()
     higher.lr_multiplier, higher.reduction = 8.0, "exact"
     with pytest.raises(ConfigError) as e:
-        wd.check_resume(old, higher, 16, 16)
+        run_record.check_resume(old, higher, 16, 16)
     assert str(e.value).count("\n") == 0
     for words in ("lr_multiplier=1.0 (this config: 8.0)", "--config.reduction=fast"):
         assert words in str(e.value)
     del old["momentum"]  # a math field the record should have: nothing to compare it with
     with pytest.raises(ConfigError, match="has no field momentum, so what its run was"):
-        wd.check_resume(old, smoke.get_config(), 16, 16)
+        run_record.check_resume(old, smoke.get_config(), 16, 16)
 
 
 def make_folder(root: Path, bad: bool) -> None:
@@ -785,7 +786,7 @@ def test_bad_workdirs_are_one_line(tmp_path, fashion_mnist_dir, case):
     if case == "checkpoints_a_file":
         (workdir / "checkpoints").write_text("not a folder")
     elif case == "record_not_utf8":
-        (workdir / wd.RECORD).write_bytes(b"\xff\xfe not json")
+        (workdir / run_record.RECORD).write_bytes(b"\xff\xfe not json")
     out = run("" if case == "empty" else workdir, fashion_mnist_dir, timeout=120)
     assert out.returncode == 2, out.stderr[-3000:]
     one_error(
@@ -793,12 +794,12 @@ def test_bad_workdirs_are_one_line(tmp_path, fashion_mnist_dir, case):
         {
             "empty": "--workdir is empty: name the run's folder",
             "checkpoints_a_file": "checkpoints is a file, where the run keeps its checkpoints",
-            "record_not_utf8": f"{wd.RECORD} is not readable",
+            "record_not_utf8": f"{run_record.RECORD} is not readable",
         }[case],
     )
     assert not (ROOT / "checkpoints").exists() and not (ROOT / "metrics.jsonl").exists()
     if case == "record_not_utf8":  # left as it was, nothing trained
-        assert (workdir / wd.RECORD).read_bytes() == b"\xff\xfe not json"
+        assert (workdir / run_record.RECORD).read_bytes() == b"\xff\xfe not json"
         assert not checkpoint_steps(workdir)
     else:
         expected = [] if case == "empty" else ["checkpoints"]

@@ -13,6 +13,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from largebatch_jax import fields, parallel
+from largebatch_jax import record as run_record
 from largebatch_jax import workdir as wd
 from largebatch_jax.data import sources
 from largebatch_jax.lock import WorkdirLock, read_lock_token
@@ -89,18 +90,18 @@ def _check_workdir_shared(work: Path, lock: WorkdirLock | None) -> str:
 
 def record(config: Any, work: Path, checkpoints: list[int], steps_per_epoch: int) -> None:
     """The workdir's record of the config that defines its run, against this config
-    (workdir.check_resume); a fresh workdir records this one."""
-    recorded = wd.read_record(work)
+    (record.check_resume); a fresh workdir records this one."""
+    recorded = run_record.read_record(work)
     if checkpoints and recorded is not None:
-        wd.check_resume(recorded, config, max(checkpoints), steps_per_epoch)
+        run_record.check_resume(recorded, config, max(checkpoints), steps_per_epoch)
     elif checkpoints:
         logging.warning(
             "%s has checkpoints but no %s: recording this config",
             work,
-            wd.RECORD,
+            run_record.RECORD,
         )
     if jax.process_index() == 0:
-        wd.write_record(work, config)
+        run_record.write_record(work, config)
 
 
 def data_fits(config: Any, spec: sources.DatasetSpec, num_train: int) -> None:

@@ -12,6 +12,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from largebatch_jax import exact, parallel, schedules
+from largebatch_jax import record as run_record
 from largebatch_jax import workdir as wd
 from largebatch_jax.builder import build_training
 from largebatch_jax.checkpoint import Checkpointer
@@ -133,7 +134,9 @@ def build(config: Any, workdir: str | Path) -> tuple[Run, Any, Progress]:
     ckpt = None
     try:
         data = load_data(config)
-        ckpt = Checkpointer(work / "checkpoints", config.keep_checkpoints, wd.run_identity(config))
+        ckpt = Checkpointer(
+            work / "checkpoints", config.keep_checkpoints, run_record.run_identity(config)
+        )
         checks.record(config, work, ckpt.steps(), data.steps_per_epoch)
         training = build_training(config, engine, data.steps_per_epoch)
         state, progress = _restore(ckpt, training.state, work)
