@@ -7,6 +7,7 @@ boundary given in epochs is converted to iterations once, here, with the run's
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -123,22 +124,6 @@ def warmup_applies(batch_size: int, base_batch_size: int) -> bool:
     return batch_size > base_batch_size
 
 
-# The config fields the schedule reads (`create_learning_rate_schedule`).
-SCHEDULE_FIELDS = (
-    "base_lr",
-    "base_batch_size",
-    "batch_size",
-    "lr_scaling",
-    "lr_multiplier",
-    "warmup",
-    "warmup_epochs",
-    "lr_decay",
-    "decay_epochs",
-    "decay_factor",
-    "num_epochs",
-)
-
-
 def check_decay_epochs(decay_epochs: Sequence[float], num_epochs: float) -> None:
     """Rule 3's decays all fall within the run (ValueError naming both fields)."""
     if any(e > num_epochs for e in decay_epochs):
@@ -182,5 +167,6 @@ def learning_rate_schedule(
 
 
 def create_learning_rate_schedule(config: Any, steps_per_epoch: int) -> optax.Schedule:
-    """`learning_rate_schedule` from a config's SCHEDULE_FIELDS."""
-    return learning_rate_schedule(steps_per_epoch, **{f: config[f] for f in SCHEDULE_FIELDS})
+    """`learning_rate_schedule` from the config fields it names as keyword arguments."""
+    names = inspect.signature(learning_rate_schedule).parameters.keys() - {"steps_per_epoch"}
+    return learning_rate_schedule(steps_per_epoch, **{f: config[f] for f in names})
