@@ -26,7 +26,7 @@ from experiments.sweep.runs import check_devices, collect, run_one
 from experiments.sweep.tables import write_tables
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=package.__doc__.split("\n\n")[0])
     parser.add_argument("--name", required=True, help="table / figure file name")
     parser.add_argument("--config", required=True, help="config file, relative to the repo")
@@ -44,25 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--collect_only", action="store_true", help="tables from what exists")
     parser.add_argument("--retry_failed", action="store_true")
     parser.add_argument("--dry_run", action="store_true", help="list the runs, train nothing")
-    args = parser.parse_args(argv)
-    # The command that makes the table (not the flags that only read or list runs).
-    given = sys.argv[1:] if argv is None else argv
-    command = shlex.join(
-        ["python", "-m", "experiments.sweep"]
-        + [a for a in given if a not in ("--collect_only", "--dry_run")]
-    )
-    try:
-        defaults = load_config(args.config)
-        grid = [parse_assignment(g, defaults, many=True) for g in args.grid]
-        fixed = dict(parse_assignment(s, defaults, many=False) for s in args.set)
-        fixed = {k: v[0] for k, v in fixed.items()}
-        extras = [parse_extra(e, defaults) for e in args.extra]
-        if args.plot is not None and args.plot not in [f for f, _ in grid]:
-            raise SweepError(f"--plot={args.plot} is not one of the --grid fields.")
-    except SweepError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    devices = args.devices or None
+    return parser
+
+
+def _plan(args, defaults, grid, fixed, extras, devices) -> tuple[list[str], list[dict]]:
+    """The table's fields, and every run: its overrides, workdir and table values."""
     fields = list(dict.fromkeys([f for f, _ in grid] + [k for e in extras for k in e]))
     root = ROOT / args.runs / Path(args.config).stem
     runs = [
@@ -74,19 +60,11 @@ def main(argv: list[str] | None = None) -> int:
             f: run["overrides"].get(f, devices if f == "devices" else defaults.get(f))
             for f in fields
         }
-    began = time.time()
-    try:
-        for run in runs:
-            check_run(defaults, run["overrides"], devices, Path(run["workdir"]).name)
-        for run in runs:
-            check_devices(
-                Path(run["workdir"]),
-                run["overrides"].get("devices", devices),
-                record_it=not (args.dry_run or args.collect_only),
-            )
-    except SweepError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return fields, runs
+
+
+def _train(args, runs: list[dict], devices: int | None) -> list[str]:
+    """Train every run not done (or list them); returns the preempted ones."""
     preempted: list[str] = []
     for i, run in enumerate(runs, 1):
         workdir = Path(run["workdir"])
@@ -106,6 +84,44 @@ def main(argv: list[str] | None = None) -> int:
                 state += " (its checkpoint is saved: the same command resumes it)"
             state += f" in {time.time() - started:.0f} s"
         print(f"[{i}/{len(runs)}] {workdir.name}: {state}", flush=True)
+    return preempted
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # The command that makes the table (not the flags that only read or list runs).
+    given = sys.argv[1:] if argv is None else argv
+    command = shlex.join(
+        ["python", "-m", "experiments.sweep"]
+        + [a for a in given if a not in ("--collect_only", "--dry_run")]
+    )
+    try:
+        defaults = load_config(args.config)
+        grid = [parse_assignment(g, defaults, many=True) for g in args.grid]
+        fixed = dict(parse_assignment(s, defaults, many=False) for s in args.set)
+        fixed = {k: v[0] for k, v in fixed.items()}
+        extras = [parse_extra(e, defaults) for e in args.extra]
+        if args.plot is not None and args.plot not in [f for f, _ in grid]:
+            raise SweepError(f"--plot={args.plot} is not one of the --grid fields.")
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    devices = args.devices or None
+    fields, runs = _plan(args, defaults, grid, fixed, extras, devices)
+    began = time.time()
+    try:
+        for run in runs:
+            check_run(defaults, run["overrides"], devices, Path(run["workdir"]).name)
+        for run in runs:
+            check_devices(
+                Path(run["workdir"]),
+                run["overrides"].get("devices", devices),
+                record_it=not (args.dry_run or args.collect_only),
+            )
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    preempted = _train(args, runs, devices)
     if args.dry_run:
         return 0
     rows = [{**collect(r), "workdir": r["workdir"]} for r in runs]
