@@ -44,7 +44,8 @@ def parse_args(argv=None):
     )
     p.add_argument("--per_device_batch", type=int, default=4, help="synthetic: kn / devices")
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices; 0 = real devices")
-    # Synthetic only: fields of the config to override (unset: the config's own).
+    # Fields of the config to override (unset: the config's own); synthetic only, but
+    # --reduction (fast: XLA's all-reduce; exact: the default) for both inputs.
     for field, kind in (
         ("model", str),
         ("accum_steps", int),
@@ -52,6 +53,7 @@ def parse_args(argv=None):
         ("num_classes", int),
         ("width", int),
         ("accum_loop", str),
+        ("reduction", str),
     ):
         p.add_argument(f"--{field}", type=kind, default=None)
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
@@ -154,7 +156,8 @@ def synthetic_config(args, num_devices: int, conv_impl: str | None = None):
     """The config timed on synthetic batches: --config with the flags' overrides and
     kn = per_device_batch x devices (n capped at the per-device micro-batch)."""
     config = load_config(args.config or "configs/imagenet.py")
-    for field in ("model", "accum_steps", "image_size", "num_classes", "width", "accum_loop"):
+    fields = ("model", "accum_steps", "image_size", "num_classes", "width", "accum_loop")
+    for field in (*fields, "reduction"):
         if getattr(args, field) is not None:
             config[field] = getattr(args, field)
     if args.dtype is not None:
@@ -288,6 +291,8 @@ def real_input(args) -> int:
     from largebatch_jax.data import loader
 
     config = load_config(args.config or "configs/fashion_mnist.py")
+    if args.reduction is not None:
+        config.reduction = args.reduction
     engine = parallel.DataParallel(parallel.create_mesh(), config.parallelism)
     data = train.load_data(config)
     training = ours(config, engine, data.steps_per_epoch)
