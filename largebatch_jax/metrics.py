@@ -234,13 +234,19 @@ def format_eta(seconds: float) -> str:
 _QUIET_PACKAGES = ("/orbax/", "/tensorflow_datasets/", "/jax/_src/distributed.py")
 
 
+# Their warnings that say nothing to the user either: tfds scanning a data_dir (a dataset
+# not, or not fully, prepared there is the project's own one-line error, with the command
+# that prepares it); orbax's advice when a save waits for the one before it (a run saving
+# often, as the tests' do; the run reports its checkpoint time in result.json).
+_QUIET_WARNINGS = ("Variant folder ", "Waiting for previous save to complete")
+
+
 class _DropLibraryInfo(std_logging.Filter):
     def filter(self, record: std_logging.LogRecord) -> bool:
         path = record.pathname.replace("\\", "/")
         noisy = any(p in path for p in _QUIET_PACKAGES)
-        if noisy and str(record.msg).startswith("Variant folder "):
-            return False  # tfds scanning a data_dir: a dataset not (fully) prepared there
-            # is the project's own one-line error, with the command that prepares it
+        if noisy and str(record.msg).startswith(_QUIET_WARNINGS):
+            return False
         return not (noisy and record.levelno < std_logging.WARNING)
 
 

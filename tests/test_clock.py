@@ -65,3 +65,22 @@ def test_run_state_reads_checkpoints_written_before_it_had_a_clock():
     host = Progress.from_json(old)
     assert (host.step, host.skipped, host.train_seconds) == (8, 1, 0.0)
     assert host.to_json() == {**old, "train_seconds": 0.0}
+
+
+def test_library_log_filter_keeps_warnings_but_drops_orbax_save_advice():
+    """The run's log keeps library warnings, except the ones that say nothing to a user
+    (metrics._QUIET_WARNINGS): orbax's advice when a save waits for the one before it."""
+    import logging as std_logging
+
+    from largebatch_jax import metrics
+
+    def record(path, level, msg):
+        return std_logging.LogRecord("absl", level, path, 1, msg, (1.1,), None)
+
+    keep = metrics._DropLibraryInfo().filter
+    orbax = "/site-packages/orbax/checkpoint/checkpoint_manager.py"
+    advice = "Waiting for previous save to complete took %f seconds. If this"
+    assert not keep(record(orbax, std_logging.WARNING, advice))
+    assert not keep(record(orbax, std_logging.INFO, "Saving checkpoint"))
+    assert keep(record(orbax, std_logging.WARNING, "Metadata file does not exist: %s"))
+    assert keep(record("/work/largebatch_jax/train/loop.py", std_logging.INFO, advice))
