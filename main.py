@@ -135,16 +135,7 @@ def main(argv):
             flush=True,
         )
     else:
-        metric = result["val_error_top1_median_last_epochs"]
-        skipped = result.get("skipped_steps", 0)
-        done = f"done, {skipped} of {result['steps']} updates skipped (non-finite)"
-        print(
-            f"{done if skipped else 'done'}: top-1 error {result['final_val_error_top1']:.4g} "
-            "(paper metric, median of "
-            f"the last {result['last_epochs']:g} epochs: {metric:.4g}); results in "
-            f"{workdir}/result.json",
-            flush=True,
-        )
+        print(f"{train.result.summary(result)}; results in {workdir}/result.json", flush=True)
 
 
 def _not_joined() -> None:

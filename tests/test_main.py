@@ -256,6 +256,23 @@ def test_fashion_mnist_config_learns_on_real_data(tmp_path, fashion_mnist_dir):
     assert evals[-1]["val_count"] == 10_000
 
 
+def test_done_line_names_both_errors():
+    """The last line tells the final error from the paper's metric (rule 14)."""
+    line = train.result.summary(
+        {
+            "skipped_steps": 0,
+            "steps": 32,
+            "final_val_error_top1": 0.68,
+            "val_error_top1_median_last_epochs": 0.725,
+            "last_epochs": 2.0,
+        }
+    )
+    assert line == (
+        "done: top-1 error 0.68 after the last epoch, 0.725 by the paper's metric "
+        "(the median of the last 2 epochs' evaluations)"
+    )
+
+
 def test_paper_metric_is_the_median_of_the_last_epochs():
     evals = [
         {"epoch": e, "val_error_top1": err}

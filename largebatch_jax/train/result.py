@@ -70,3 +70,20 @@ def finished_result(run: Run, progress: Progress) -> dict | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
         return None  # torn by a crash before it was written atomically: write it again
+
+
+def summary(result: dict) -> str:
+    """The run's two errors: after its last epoch, and by the paper's metric (rule 14)."""
+    skipped = result.get("skipped_steps", 0)
+    done = f"done, {skipped} of {result['steps']} updates skipped (non-finite)"
+    final, metric = result["final_val_error_top1"], result["val_error_top1_median_last_epochs"]
+    last = f"the last {result['last_epochs']:g} epochs"
+    return (
+        f"{done if skipped else 'done'}: top-1 error "
+        + ("(no evaluation)" if final is None else f"{final:.4g} after the last epoch")
+        + (
+            f", {metric:.4g} by the paper's metric (the median of {last}' evaluations)"
+            if metric is not None
+            else f"; no evaluation in {last} for the paper's metric"
+        )
+    )
