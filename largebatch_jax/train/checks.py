@@ -88,7 +88,7 @@ def _check_workdir_shared(work: Path, lock: WorkdirLock | None) -> str:
     )
 
 
-def record(config: Any, work: Path, checkpoints: list[int], steps_per_epoch: int) -> None:
+def against_record(config: Any, work: Path, checkpoints: list[int], steps_per_epoch: int) -> None:
     """The workdir's record of the config that defines its run, against this config
     (record.check_resume); a fresh workdir records this one."""
     recorded = run_record.read_record(work)
