@@ -96,6 +96,16 @@ def quiet_native_logs(environ: MutableMapping[str, str] | None = None) -> bool:
     return True
 
 
+def tpu_compiler_only(environ: MutableMapping[str, str] | None = None) -> None:
+    """For a process that compiles for TPU slices and runs nothing on one (the compile
+    tool, the tests): libtpu neither asks the GCE metadata server for the host's TPU nor
+    takes its host-wide lock, which is meant for processes sharing real chips and lets only
+    one process per host load the compiler. Before libtpu loads; the user's values win."""
+    env = os.environ if environ is None else environ
+    env.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
 def is_plugin_noise(line: str) -> bool:
     return any(p.search(line) for p in PLUGIN_NOISE)
 

@@ -5,10 +5,21 @@ import os
 import shutil
 import tempfile
 
+# pytest imports tracemalloc lazily to report an exception raised in a __del__; if that
+# happens inside tfds's lazy-import context (etils), the import itself fails and the test
+# errors (seen once in CI). Importing it first makes the report path import-free.
+import tracemalloc  # noqa: F401
+
+import pytest
+
+from largebatch_jax import host
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Each pytest process compiles for TPU slices (tests/test_aot.py) and loads libtpu.
+host.tpu_compiler_only()
 # Exact mode (the default) on CPU needs XLA:CPU's thread count fixed before JAX starts, as
 # main.py fixes it (exact.fix_cpu_threads): the same for the tests' in-process runs.
 os.environ.setdefault("NPROC", "16")  # exact.CPU_THREADS
@@ -22,13 +33,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
-# pytest imports tracemalloc lazily to report an exception raised in a __del__; if that
-# happens inside tfds's lazy-import context (etils), the import itself fails and the test
-# errors (seen once in CI). Importing it first makes the report path import-free.
-import tracemalloc  # noqa: F401
-
-import jax
-import pytest
+with host.plugin_noise_filtered():  # what the CUDA plugin prints when `import jax` loads it
+    import jax
 
 # Tests that initialise models directly (not through step.create_train_state, which
 # chooses its stream itself) use the project's stream: the same weights, and fast on CPU.

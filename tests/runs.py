@@ -29,6 +29,9 @@ def env(**extra):
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
         "JAX_PLATFORMS": "cpu",
+        # conftest's settings for the pytest processes' own TPU compiles; a run gets none.
+        "TPU_SKIP_MDS_QUERY": None,
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": None,
         **extra,
     }
     return {k: v for k, v in values.items() if v is not None}

@@ -216,6 +216,39 @@ def test_tpu_all_reduce_carries_exactly_the_gradients_and_statistics(v5e_2x2, ac
     assert ours["eval"].collectives == [hlo.Collective("all-reduce", 16)]
 
 
+_LOAD_TPU_COMPILER_AND_WAIT = """
+import sys
+from largebatch_jax import host
+host.tpu_compiler_only()
+from largebatch_jax.aot import programs, targets
+programs.site(targets.parse_topology("v5e:2x2"))
+print("loaded", flush=True)
+sys.stdin.readline()
+"""
+
+
+@needs_tpu
+def test_two_processes_load_the_tpu_compiler_at_once():
+    """pytest -n 2 and a compile beside a test run: libtpu's host-wide lock (for processes
+    that share chips) would refuse the second process."""
+    env = {k: v for k, v in os.environ.items()}
+    for name in ("TPU_SKIP_MDS_QUERY", "ALLOW_MULTIPLE_LIBTPU_LOAD"):  # conftest's
+        env.pop(name, None)
+    command = [sys.executable, "-c", _LOAD_TPU_COMPILER_AND_WAIT]
+    first = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert first.stdout.readline() == "loaded\n"
+        second = subprocess.run(
+            command, cwd=ROOT, env=env, input="\n", capture_output=True, text=True, timeout=120
+        )
+        assert second.returncode == 0 and second.stdout == "loaded\n", second.stderr[-2000:]
+    finally:
+        first.communicate("\n", timeout=60)
+    assert first.returncode == 0
+
+
 @needs_tpu
 def test_tpu_accumulation_costs_are_counted_for_every_micro_step(v5e_2x2):
     one = programs.compile_ours(_config(4, 8), v5e_2x2, steps_per_epoch=16)["train"]

@@ -12,12 +12,10 @@ from typing import Any
 
 from largebatch_jax import host
 
-# This host compiles, it runs nothing: JAX starts only its CPU backend, and the TPU
-# plugin neither asks the GCE metadata server nor takes its host-wide lock (meant for
-# processes that share real chips). Before jax and libtpu load.
+# This host compiles, it runs nothing: JAX starts only its CPU backend. Before jax and
+# libtpu load.
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+host.tpu_compiler_only()
 
 with host.plugin_noise_filtered():
     import jax
