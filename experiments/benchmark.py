@@ -35,7 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.benchmark", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument(
         "--config",
         default=None,

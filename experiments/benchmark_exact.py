@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.benchmark_exact", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--config", default="configs/smoke.py")
     p.add_argument("--set", default="", help="FIELD=VALUE,... overrides (configs/overrides.py)")
     p.add_argument("--devices", type=int, default=8)

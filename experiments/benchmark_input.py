@@ -37,11 +37,14 @@ import statistics
 import time
 from pathlib import Path
 
-import grain
-import numpy as np
-from PIL import Image
+from largebatch_jax import host
 
-from largebatch_jax.data import jpeg, loader, sources
+with host.plugin_noise_filtered():  # the accelerator plugins' loading banners on a CPU host
+    import grain
+    import numpy as np
+    from PIL import Image
+
+    from largebatch_jax.data import jpeg, loader, sources
 
 # Real photographs where Debian's opencv-doc is installed (apt-get install opencv-doc):
 # the sample images of OpenCV's examples, 256-1282 px a side.
@@ -237,7 +240,9 @@ def describe(name: str, images: list[bytes]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.benchmark_input", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batches", type=int, default=24)

@@ -23,18 +23,21 @@ from collections.abc import Iterator
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from flax import linen as nn
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from largebatch_jax import host
 
-from largebatch_jax import reference
-from largebatch_jax.models import resnet
-from largebatch_jax.parallel import AXIS
-from largebatch_jax.step import one_random_stream
+with host.plugin_noise_filtered():  # the accelerator plugins' loading banners on a CPU host
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import linen as nn
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from largebatch_jax import reference
+    from largebatch_jax.models import resnet
+    from largebatch_jax.parallel import AXIS
+    from largebatch_jax.step import one_random_stream
 
 
 class FlaxBatchNorm(nn.Module):
@@ -94,7 +97,9 @@ def grad_fn(model: nn.Module, mesh: Mesh):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.benchmark_model", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--image_size", type=int, default=224)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))

@@ -29,7 +29,9 @@ FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.exact_bytes", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--config", default="configs/imagenet_8k.py")
     p.add_argument("--topology", default="v5e-8")
     p.add_argument("--per_chip_batch", type=int, default=32)

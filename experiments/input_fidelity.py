@@ -72,7 +72,9 @@ def tf_data(encoded: bytes, window: tuple, size: int, flip: bool) -> np.ndarray:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.input_fidelity", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--sizes", type=int, nargs="+", default=[224, 64])
     args = parser.parse_args()
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} | against PIL's full decode")

@@ -651,7 +651,9 @@ round assumptions, not measurements.
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.scaling_model", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", default="experiments/results", help="output directory")
     args = parser.parse_args(argv)
     out = Path(args.out)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.runs import ROOT, env
+from tests.runs import PLUGIN_LINE, ROOT, env
 
 GRID = [
     "--name=smoke_grid",
@@ -64,6 +64,7 @@ def test_sweep_runs_collects_and_resumes(tmp_path, fashion_mnist_dir):
     out = sweep(tmp_path, fashion_mnist_dir, *GRID)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stdout.count("training ...") == 4
+    assert [x for x in (out.stdout + out.stderr).splitlines() if PLUGIN_LINE.search(x)] == []
     results = tmp_path / "results"
     with (results / "smoke_grid.csv").open() as f:
         rows = list(csv.DictReader(f))

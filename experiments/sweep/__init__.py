@@ -17,16 +17,21 @@ continues a sweep. Writes OUT/<name>.csv (one row per run), OUT/<name>.md (the p
 metric, mean +- std over seeds, per grid point) and, with --plot or --curves, OUT/<name>.png.
 """
 
-from experiments.sweep.grid import (
-    SweepError,
-    check_run,
-    load_config,
-    parse_assignment,
-    parse_value,
-    run_name,
-)
-from experiments.sweep.runs import check_devices, collect, loss_spike, run_one
-from experiments.sweep.tables import group_rows, shown, write_tables
+from largebatch_jax import host
+
+# The package is the command's first import (python -m experiments.sweep), and it imports
+# jax: what the accelerator plugins print while loading on a CPU host is dropped.
+with host.plugin_noise_filtered():
+    from experiments.sweep.grid import (
+        SweepError,
+        check_run,
+        load_config,
+        parse_assignment,
+        parse_value,
+        run_name,
+    )
+    from experiments.sweep.runs import check_devices, collect, loss_spike, run_one
+    from experiments.sweep.tables import group_rows, shown, write_tables
 
 __all__ = [
     "SweepError",

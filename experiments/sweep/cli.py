@@ -27,7 +27,9 @@ from experiments.sweep.tables import write_tables
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=package.__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.sweep", description=package.__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--name", required=True, help="table / figure file name")
     parser.add_argument("--config", required=True, help="config file, relative to the repo")
     parser.add_argument("--grid", action="append", default=[], help="FIELD=V1,V2,...")
