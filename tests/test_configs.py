@@ -1,4 +1,5 @@
-"""One override grammar for `configs/imagenet.py:FIELD=VALUE,...` and experiments/sweep.py."""
+"""One override grammar for `configs/imagenet.py:FIELD=VALUE,...` and the sweep
+(`python -m experiments.sweep`)."""
 
 import importlib.util
 import sys

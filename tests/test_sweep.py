@@ -1,4 +1,4 @@
-"""experiments/sweep.py on a 2 x 2 smoke grid: runs, skips finished runs, collects the
+"""`python -m experiments.sweep` on a 2 x 2 smoke grid: runs, skips finished runs, collects the
 paper's metric into the CSV / Markdown tables and draws the figure."""
 
 import csv
