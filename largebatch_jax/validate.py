@@ -97,11 +97,6 @@ def _check_exact(config: Any, num_devices: int) -> None:
             "config.reduction='exact' sums per-worker BN groups and does not apply with "
             "bn_sync=True: set reduction='fast'."
         )
-    if config.optimizer == "lars":
-        raise ConfigError(
-            "config.reduction='exact' does not cover optimizer='lars' (its layer norms are "
-            "XLA reductions in an order of XLA's choosing): set reduction='fast'."
-        )
     per_device = config.eval_batch_size // num_devices
     if per_device % n:
         raise ConfigError(

@@ -48,6 +48,7 @@ SCHEDULE_CONFIG = ml_collections.ConfigDict(
 )
 LR_FN = schedules.create_learning_rate_schedule(SCHEDULE_CONFIG, steps_per_epoch=4)
 TX = optim.create_optimizer(LR_FN, weight_decay=1e-4)
+TXS = {"sgd": TX, "lars": optim.create_optimizer(LR_FN, optimizer="lars", weight_decay=1e-4)}
 
 
 def model(bn_group_size=N, bn_sync=False):
@@ -63,8 +64,8 @@ def model(bn_group_size=N, bn_sync=False):
 
 
 @functools.cache
-def initial_state():
-    state = step_lib.create_train_state(jax.random.key(0), model(), TX, (SIZE, SIZE, 1))
+def initial_state(optimizer="sgd"):
+    state = step_lib.create_train_state(jax.random.key(0), model(), TXS[optimizer], (SIZE, SIZE, 1))
     return jax.device_get(state)  # host copy: every run replicates (and donates) its own
 
 
@@ -78,17 +79,19 @@ def run(
     steps=2,
     accum_loop="auto",  # what main.py uses on this backend (a Python loop on CPU)
     reduction="fast",
+    optimizer="sgd",
 ):
     engine = parallel.DataParallel(parallel.create_mesh(jax.devices()[:devices]), parallelism)
     parallel.micro_batch_size(KN, devices, accum_steps, bn_group_size)
     net = model(bn_group_size, bn_sync)
+    tx = TXS[optimizer]
     step = engine.map(
         step_lib.make_train_step(
-            net, TX, LR_FN, accum_steps, accum_loop, reduction=reduction, bn_group_size=N
+            net, tx, LR_FN, accum_steps, accum_loop, reduction=reduction, bn_group_size=N
         ),
         donate_state=True,
     )
-    state = engine.replicate(initial_state())
+    state = engine.replicate(initial_state(optimizer))
     history = []
     for batch in BATCHES[:steps]:
         state, metrics = step(state, engine.shard_batch(batch))
@@ -298,6 +301,20 @@ def test_exact_mode_is_bit_identical_on_every_layout(layout):
     assert max_rel_diff(ref_state.params, initial_state().params) > 1e-3  # it moved
 
 
+@pytest.mark.parametrize("layout", ["1dev_x_32img", "1dev_x_8accum_x_4img", "8dev_pmap"])
+def test_exact_mode_with_lars_is_bit_identical_on_every_layout(layout):
+    """LARS's per-layer trust ratios are norms, reductions XLA orders as it likes; the
+    update is a program of its own with the same inputs in every layout, so they round
+    the same way everywhere: the same bits as on 8 devices x 4 images."""
+    ref_state, ref_metrics = run(8, 1, reduction="exact", optimizer="lars")
+    state, metrics = run(*EXACT_LAYOUTS[layout], reduction="exact", optimizer="lars")
+    for part in ("params", "batch_stats", "opt_state"):
+        assert digest(getattr(state, part)) == digest(getattr(ref_state, part)), part
+    assert digest(metrics) == digest(ref_metrics)
+    sgd_state, _ = run(8, 1, reduction="exact")
+    assert max_rel_diff(ref_state.params, sgd_state.params) > 1e-3  # LARS, not SGD
+
+
 def test_exact_mode_is_the_same_math_as_fast():
     fast, fast_metrics = run(8, 1)
     exact_state, exact_metrics = run(8, 1, reduction="exact")
@@ -407,7 +424,6 @@ def test_exact_eval_is_bit_identical_on_every_layout_and_counts_each_image_once(
     [
         ({"batch_size": 96}, 8, r"power-of-two number of BN groups per device, but batch_size=96"),
         ({"bn_sync": True}, 8, r"does not apply with bn_sync=True"),
-        ({"optimizer": "lars"}, 8, r"does not cover optimizer='lars'"),
         ({"eval_batch_size": 80}, 8, r"eval_batch_size=80 gives 10 images per device"),
         ({"parallelism": "pmap"}, 8, r"on GPU compiles with XLA's determinism option"),
     ],
@@ -424,6 +440,17 @@ def test_exact_mode_config_limits_are_one_line(changes, devices, message):
         validate_config(config, devices, "tpu")
     with pytest.raises(ConfigError, match=message):
         validate_config(config, devices, "gpu")
+
+
+def test_exact_mode_takes_lars():
+    from configs import smoke
+    from largebatch_jax.validate import validate_config
+
+    config = smoke.get_config()
+    config.optimizer = "lars"
+    assert config.reduction == "exact"  # the default
+    for platform in ("cpu", "gpu", "tpu"):
+        validate_config(config, 8, platform)
 
 
 class _Tiny(nn.Module):
