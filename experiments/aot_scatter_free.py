@@ -9,6 +9,7 @@ top-k for the training error), fast and exact mode, float32 and bfloat16.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from unittest import mock
@@ -61,4 +62,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(  # no options; --help says what it compiles
+        prog="python -m experiments.aot_scatter_free", description=__doc__.split("\n\n")[0]
+    ).parse_args()
     sys.exit(main())
