@@ -14,6 +14,10 @@ import os
 import sys
 from unittest import mock
 
+if __name__ == "__main__":  # no options; --help says what it compiles, before JAX starts
+    argparse.ArgumentParser(
+        prog="python -m experiments.aot_scatter_free", description=__doc__.split("\n\n")[0]
+    ).parse_args()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 from largebatch_jax import host
@@ -62,7 +66,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    argparse.ArgumentParser(  # no options; --help says what it compiles
-        prog="python -m experiments.aot_scatter_free", description=__doc__.split("\n\n")[0]
-    ).parse_args()
     sys.exit(main())

@@ -39,13 +39,18 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-    import numpy as np
+    from largebatch_jax import host
 
-    from configs.overrides import apply_overrides
-    from experiments.sweep import load_config
-    from largebatch_jax import builder, parallel
-    from largebatch_jax.validate import validate_config
+    with host.plugin_noise_filtered():  # the accelerator plugins' loading banners
+        import jax
+        import numpy as np
+
+        from configs.overrides import apply_overrides
+        from experiments.sweep import load_config
+        from largebatch_jax import builder, parallel
+        from largebatch_jax.validate import validate_config
+
+        jax.devices()  # the backend starts here, and JAX loads its plugins
 
     engine = parallel.DataParallel(parallel.create_mesh(jax.devices()[: args.devices]))
     programs = {}

@@ -256,9 +256,10 @@ def main() -> None:
         "the sample data of Debian's opencv-doc)",
     )
     args = parser.parse_args()
-    import cv2
-    import simplejpeg
-    import tensorflow as tf
+    with host.plugin_noise_filtered():  # TensorFlow's start-up banners
+        import cv2
+        import simplejpeg
+        import tensorflow as tf
 
     sets = {"synthetic photos": synth_jpegs(args.images)}
     if args.photos and Path(args.photos).is_dir():

@@ -39,6 +39,8 @@ with host.plugin_noise_filtered():  # the accelerator plugins' loading banners o
     from largebatch_jax.parallel import AXIS
     from largebatch_jax.step import one_random_stream
 
+    jax.devices()  # the backend starts here, and JAX loads its plugins
+
 
 class FlaxBatchNorm(nn.Module):
     """flax's `nn.BatchNorm` behind our BN's interface (statistics over the whole batch)."""

@@ -70,9 +70,9 @@ def traffic(ins, shapes, hlo) -> int:
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from largebatch_jax import host
+
+    host.tpu_compiler_only()
 
     with host.plugin_noise_filtered():
         import jax

@@ -28,6 +28,7 @@ import time
 import numpy as np
 from PIL import Image
 
+from largebatch_jax import host
 from largebatch_jax.data import photos, transforms
 
 
@@ -77,6 +78,8 @@ def main() -> None:
     )
     parser.add_argument("--sizes", type=int, nargs="+", default=[224, 64])
     args = parser.parse_args()
+    with host.plugin_noise_filtered():  # TensorFlow's start-up banners (tf.data is compared)
+        import tensorflow  # noqa: F401
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} | against PIL's full decode")
     print("grey levels: mean of the 21 outputs' mean / worst output's mean / worst pixel")
     candidates = {"ours": ours, "previous": previous, "tf.data": tf_data}

@@ -154,7 +154,7 @@ FIELDS: dict[str, Field] = {
     # Engine.
     "parallelism": _choice("shard_map", parallel.PARALLELISMS, LAYOUT),
     # Batches put on the devices ahead of the step, from a background thread (0: none).
-    # Measured on CPU (experiments/benchmark.py --input=real): no gain, so off by default.
+    # Measured on CPU (python -m experiments.benchmark --input=real): no gain, so off by default.
     "prefetch_batches": _count(0, LAYOUT, minimum=0),
 }
 

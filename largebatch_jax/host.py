@@ -1,7 +1,8 @@
 """What accelerators this host has, and the set-up entry points do before JAX starts.
 
 Importing this module imports no JAX and changes nothing; main.py and the tools call
-`choose_platforms`, `quiet_native_logs` and `plugin_noise_filtered` first. JAX imports
+`choose_platforms`, `quiet_native_logs` and `plugin_noise_filtered` first, and what
+compiles for TPU slices without one (the compile tool, the tests) `tpu_compiler_only`. JAX imports
 every installed accelerator plugin (the CUDA plugin's extension modules load with
 `import jax`, libtpu with the first backend), and on a host without the hardware they
 print start-up errors and banners before the program's own first line. With

@@ -83,7 +83,7 @@ def validate_fields(config: Any) -> None:
 def _check_exact(config: Any, num_devices: int) -> None:
     """Where reduction='exact' can keep its promise (grouped.py, exact.py): the tree
     of the k groups splits into the devices' blocks only for a power-of-two number of
-    groups per device; per-worker BN; no reduction the optimizer makes itself."""
+    groups per device; per-worker BN."""
     kn, n = config.batch_size, config.bn_group_size
     groups = kn // num_devices // n
     if not grouped.whole_power_of_two_groups(kn // num_devices, n):

@@ -29,7 +29,7 @@ def env(**extra):
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
         "JAX_PLATFORMS": "cpu",
-        # conftest's settings for the pytest processes' own TPU compiles; a run gets none.
+        # A run starts without the TPU compile settings conftest gives the pytest processes.
         "TPU_SKIP_MDS_QUERY": None,
         "ALLOW_MULTIPLE_LIBTPU_LOAD": None,
         **extra,

@@ -7,6 +7,7 @@ mode compiles with XLA's determinism options and no all-reduce."""
 
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 from configs import smoke
 from largebatch_jax import builder, parallel
 from largebatch_jax.aot import hlo, programs, targets
+from tests.runs import env
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -228,25 +230,27 @@ sys.stdin.readline()
 
 
 @needs_tpu
-def test_two_processes_load_the_tpu_compiler_at_once():
+def test_two_processes_load_the_tpu_compiler_at_once(tmp_path):
     """pytest -n 2 and a compile beside a test run: libtpu's host-wide lock (for processes
     that share chips) would refuse the second process."""
-    env = {k: v for k, v in os.environ.items()}
-    for name in ("TPU_SKIP_MDS_QUERY", "ALLOW_MULTIPLE_LIBTPU_LOAD"):  # conftest's
-        env.pop(name, None)
     command = [sys.executable, "-c", _LOAD_TPU_COMPILER_AND_WAIT]
-    first = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    first_err = tmp_path / "first.err"
+    with first_err.open("w") as err:
+        first = subprocess.Popen(
+            command, cwd=ROOT, env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=err, text=True,
+        )  # fmt: skip
     try:
-        assert first.stdout.readline() == "loaded\n"
+        ready, _, _ = select.select([first.stdout], [], [], 120)
+        assert ready and first.stdout.readline() == "loaded\n", first_err.read_text()[-2000:]
         second = subprocess.run(
-            command, cwd=ROOT, env=env, input="\n", capture_output=True, text=True, timeout=120
+            command, cwd=ROOT, env=env(), input="\n", capture_output=True, text=True, timeout=120
         )
         assert second.returncode == 0 and second.stdout == "loaded\n", second.stderr[-2000:]
-    finally:
         first.communicate("\n", timeout=60)
-    assert first.returncode == 0
+        assert first.returncode == 0, first_err.read_text()[-2000:]
+    finally:
+        first.kill()  # a no-op once it has exited
 
 
 @needs_tpu

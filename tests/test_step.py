@@ -301,7 +301,7 @@ def test_exact_mode_is_bit_identical_on_every_layout(layout):
     assert max_rel_diff(ref_state.params, initial_state().params) > 1e-3  # it moved
 
 
-@pytest.mark.parametrize("layout", ["1dev_x_32img", "1dev_x_8accum_x_4img", "8dev_pmap"])
+@pytest.mark.parametrize("layout", list(EXACT_LAYOUTS))
 def test_exact_mode_with_lars_is_bit_identical_on_every_layout(layout):
     """LARS's per-layer trust ratios are norms, reductions XLA orders as it likes; the
     update is a program of its own with the same inputs in every layout, so they round
