@@ -32,18 +32,22 @@ class WorkdirLock:
     """One run per workdir: `run.lock` names the process holding it (pid, its start time,
     host, since) and a random token.
 
-    The file is created with O_CREAT | O_EXCL, atomic on local filesystems and on NFS
-    (v3 and later), and its mtime is touched every `heartbeat_seconds` while the run
-    lives. A lock is stale when its process is gone (same host: no process with that pid
-    and start time; pids are reused, in containers after every restart) or, held from
-    another host where the pid cannot be checked, when its heartbeat is older than
-    `stale_seconds`; an unreadable lock (empty, torn) older than `TORN_SECONDS` is stale
-    too. A stale lock is replaced with a warning. In a multi-process run process 0 holds
-    it for all, and every process checks that it sees the token (train.setup.build).
+    The file is written whole under a name of its own, then hard-linked to `NAME`
+    (atomic on local filesystems and on NFS), so nobody sees it half-written and a
+    signal that ends the process at any instant (`release_held`) finds it either absent
+    or ours by its token. On a filesystem without hard links it is created with
+    O_CREAT | O_EXCL instead. Its mtime is touched every `heartbeat_seconds` while the
+    run lives. A lock is stale when its process is gone (same host: no process with
+    that pid and start time; pids are reused, in containers after every restart) or,
+    held from another host where the pid cannot be checked, when its heartbeat is older
+    than `stale_seconds`; an unreadable lock (empty, torn) older than `TORN_SECONDS` is
+    stale too. A stale lock is replaced with a warning. In a multi-process run process
+    0 holds it for all, and every process checks that it sees the token
+    (train.setup.build).
     """
 
     NAME = "run.lock"
-    TORN_SECONDS = 5.0  # a lock is written right after it is created
+    TORN_SECONDS = 5.0  # an O_EXCL lock is written right after it is created
 
     def __init__(self, workdir: Path, heartbeat_seconds: float = 10.0, stale_seconds: float = 60.0):
         self.path = Path(workdir) / self.NAME
@@ -56,19 +60,23 @@ class WorkdirLock:
             "token": secrets.token_hex(8),
         }
         self._stop = threading.Event()
-        self._beat: threading.Thread | None = None
 
     def acquire(self) -> str | None:
         """Take the lock; returns a note when a stale one was replaced. WorkdirError
         (one line naming the holder) when a live run holds it."""
-        note = None
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
+        self._stop = threading.Event()  # a lock object may be acquired again
+        _HELD.append(self)  # before the file can exist: release_held() then finds it
+        try:
+            note = None
+            for _ in range(2):
+                if self._create():
+                    beat = threading.Thread(target=self._heartbeat, args=(self._stop,))
+                    beat.daemon = True  # never keeps a finished process alive
+                    beat.start()
+                    return note
                 holder, age = self._holder()
                 if not self._is_stale(holder, age):
-                    raise WorkdirError(self._busy_message(holder)) from None
+                    raise WorkdirError(self._busy_message(holder))
                 note = (
                     f"replaced the stale lock {self.path} of pid {holder.get('pid')} on "
                     f"{holder.get('host')} (since {holder.get('since')}; no heartbeat for "
@@ -76,15 +84,40 @@ class WorkdirLock:
                 )
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.me) + "\n")
-            self._beat = threading.Thread(target=self._heartbeat, daemon=True)
-            self._beat.start()
-            _HELD.append(self)
-            return note
-        holder, _ = self._holder()
-        raise WorkdirError(self._busy_message(holder))
+            holder, _ = self._holder()
+            raise WorkdirError(self._busy_message(holder))
+        except BaseException:
+            self.release()
+            raise
+
+    @property
+    def _draft(self) -> Path:
+        """The lock file as this process writes it, before it links it as `path`."""
+        return self.path.with_name(f".{self.path.name}.{self.me['token']}")
+
+    def _create(self) -> bool:
+        """Create the lock file with our record in it; False when a lock file exists."""
+        self._draft.write_text(json.dumps(self.me) + "\n")
+        try:
+            os.link(self._draft, self.path)
+            return True
+        except FileExistsError:
+            # NFS can answer EEXIST to a retried link that did succeed: the count tells.
+            return os.stat(self._draft).st_nlink == 2
+        except OSError:  # no hard links here
+            return self._create_exclusive()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                self._draft.unlink()
+
+    def _create_exclusive(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.me) + "\n")
+        return True
 
     def _holder(self) -> tuple[dict, float]:
         try:
@@ -126,19 +159,24 @@ class WorkdirLock:
             "choose another workdir."
         )
 
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.heartbeat_seconds):
+    def _heartbeat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.heartbeat_seconds):
             with contextlib.suppress(OSError):
                 os.utime(self.path)
 
     def release(self) -> None:
-        if self in _HELD:
-            _HELD.remove(self)
+        """Remove the lock file if it is ours (its token), and our draft of it. Safe to
+        call again at any point, from a signal handler too: this lock leaves `_HELD`
+        last."""
         self._stop.set()
+        with contextlib.suppress(FileNotFoundError):
+            self._draft.unlink()
         holder, _ = self._holder()
-        if holder.get("pid") == self.me["pid"] and holder.get("since") == self.me["since"]:
+        if holder.get("token") == self.me["token"]:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+        if self in _HELD:
+            _HELD.remove(self)
 
 
 def read_lock_token(workdir: Path) -> str | None:

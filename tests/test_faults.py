@@ -3,6 +3,7 @@
 error line naming the problem, the good checkpoints intact, and a rerun after the fault
 that ends with the uninterrupted run's params_sha256."""
 
+import functools
 import json
 import os
 import shlex
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from configs import smoke
+from largebatch_jax import lock as lock_module
 from largebatch_jax import record as run_record
 from largebatch_jax import workdir as wd
 from largebatch_jax.data import sources
@@ -605,6 +607,98 @@ def test_lock_staleness(tmp_path):
     other = WorkdirLock(tmp_path)
     assert "stale lock" in other.acquire()
     other.release()
+
+
+class _Ended(BaseException):
+    """Where a simulated SIGTERM ends the process (nothing after it runs)."""
+
+
+def _ended_at_line(n: int, action, folder: Path, token: str) -> list[str] | None:
+    """Run `action`; at the n-th line it executes in lock.py, do what main.py's SIGTERM
+    handler does before `os._exit` (`release_held`) and return what the folder then holds
+    of this lock (the lock file if it carries `token`, its draft). None: `action` ran
+    fewer lines."""
+    count, found = 0, None
+
+    def in_lock(frame, event, arg):
+        nonlocal count, found
+        if event == "line":
+            count += 1
+            if count == n:
+                sys.settrace(None)
+                lock_module.release_held()
+                found = [
+                    p.name for p in folder.iterdir() if token in p.read_text() or token in p.name
+                ]
+                raise _Ended
+        return in_lock
+
+    sys.settrace(lambda f, e, a: in_lock if f.f_code.co_filename == lock_module.__file__ else None)
+    try:
+        action()
+    except _Ended:
+        return found
+    finally:
+        sys.settrace(None)
+    return None
+
+
+def test_a_sigterm_at_any_instant_of_taking_or_releasing_the_lock_leaves_none(tmp_path):
+    """main.py ends a run stopped outside the loop with `release_held()` and `os._exit`,
+    wherever the main thread is. Stopped at each line of taking the lock (in a free
+    workdir, and in one with a stale lock) and of releasing it, the process leaves
+    neither its lock file nor a draft of it."""
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = {"pid": int(gone.stdout), "host": WorkdirLock(tmp_path).me["host"], "since": "x"}
+    cases = {
+        "acquire": (lambda lock: None, lambda lock: lock.acquire()),
+        "acquire over a stale lock": (
+            lambda lock: lock.path.write_text(json.dumps(stale)),
+            lambda lock: lock.acquire(),
+        ),
+        "release": (lambda lock: lock.acquire(), lambda lock: lock.release()),
+    }
+    for name, (before, action) in cases.items():
+        n = 0
+        while True:
+            n += 1
+            folder = tmp_path / f"{name}_{n}"
+            folder.mkdir()
+            lock = WorkdirLock(folder)
+            before(lock)
+            left = _ended_at_line(n, functools.partial(action, lock), folder, lock.token())
+            lock.release()
+            assert lock_module._HELD == []
+            if left is None:
+                break
+            assert left == [], (name, n, left)
+        assert n > 5, (name, n)  # the trace saw the lock's code
+
+
+def test_the_lock_is_taken_where_a_link_fails(tmp_path, monkeypatch):
+    """NFS may answer EEXIST to a retried link that did succeed: the lock is ours then.
+    A filesystem without hard links (EPERM) gets the lock by O_EXCL. Either way a second
+    run is refused and release removes the file."""
+    real_link = os.link
+
+    def link_then_eexist(src, dst):
+        real_link(src, dst)
+        raise FileExistsError(dst)
+
+    def no_links(src, dst):
+        raise PermissionError(dst)
+
+    for link in (link_then_eexist, no_links):
+        monkeypatch.setattr(os, "link", link)
+        lock = WorkdirLock(tmp_path)
+        assert lock.acquire() is None
+        assert json.loads(lock.path.read_text())["token"] == lock.token()
+        with pytest.raises(wd.WorkdirError, match="in use by another run"):
+            WorkdirLock(tmp_path).acquire()
+        lock.release()
+        assert list(tmp_path.iterdir()) == [], link
 
 
 def test_a_lock_naming_a_reused_pid_or_torn_is_stale(tmp_path):
