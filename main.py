@@ -47,7 +47,7 @@ with host.plugin_noise_filtered():
     from absl import app, flags, logging
     from ml_collections import config_flags
 
-    from largebatch_jax import exact, parallel, train
+    from largebatch_jax import cluster, exact, train
     from largebatch_jax import workdir as wd
     from largebatch_jax.data.loader import UnreadableImageError
     from largebatch_jax.data.sources import DatasetNotPreparedError
@@ -59,11 +59,19 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs
 _DISTRIBUTED = flags.DEFINE_enum(
     "distributed",
     "auto",
-    parallel.DISTRIBUTED_MODES,
+    cluster.MODES,
     "Multi-process runs through jax.distributed: 'auto' joins one when a flag below is "
-    "given or the environment is a multi-task SLURM step, an Open MPI job or a multi-host "
+    "given or the environment is a multi-task SLURM step, an MPI job or a multi-host "
     "Cloud TPU slice; 'on' always calls jax.distributed.initialize() (JAX detects the "
     "rest); 'off' never.",
+)
+_CLUSTER = flags.DEFINE_enum(
+    "cluster",
+    "auto",
+    cluster.CLUSTERS,
+    "Whose variables name the processes: 'auto' reads SLURM's, Open MPI 4's and a Cloud "
+    "TPU slice's, and asks MPI itself through mpi4py where an MPI sets no variable JAX "
+    "reads (Open MPI 5, MPICH); or force one of JAX's detections.",
 )
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0, where JAX cannot detect the cluster."
@@ -91,20 +99,39 @@ def main(argv):
         exact.fix_cpu_threads()  # before the backend starts
     filter_library_logs()
     try:
-        parallel.initialize_distributed(
+        workdir = wd.resolve(_WORKDIR.value)
+        done = train.result.finished_in(workdir, config)
+        if done is not None:  # at once: no backend, no waiting for the other processes
+            if _rank() == 0:
+                print(f"{train.result.summary(done)}; results in {workdir}/result.json")
+            return
+        joined = cluster.initialize_distributed(
             _DISTRIBUTED.value,
             _COORDINATOR.value,
             _NUM_PROCESSES.value,
             _PROCESS_ID.value,
+            _CLUSTER.value,
             heartbeat_timeout_seconds=_HEARTBEAT.value,
             initialization_timeout_seconds=_JOIN_TIMEOUT.value,
             on_join_timeout=_not_joined,
         )
-    except ValueError as e:
+    except (ValueError, wd.WorkdirError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     with host.plugin_noise_filtered():
         devices = jax.devices()  # the backend starts here
+    if joined is not None and devices[0].platform == "cpu":
+        host.drop_output_lines(1, host.GLOO_NOISE)  # gloo's connection lines, on stdout
+    unused = cluster.check_gpus_used(
+        devices[0].platform,
+        jax.local_device_count(),
+        cluster.cuda_plugin_gpus(),
+        joined,
+        jax.process_index(),
+    )
+    if unused:
+        print(f"error: {unused}", file=sys.stderr, flush=True)
+        sys.exit(2)
     warning = host.cpu_only_warning(
         devices[0].platform,
         len(devices),
@@ -115,7 +142,6 @@ def main(argv):
     if warning and jax.process_index() == 0:
         print(warning, file=sys.stderr, flush=True)
     try:
-        workdir = wd.resolve(_WORKDIR.value)
         result = train.train_and_evaluate(config, workdir)
     except (ConfigError, DatasetNotPreparedError, UnreadableImageError, wd.WorkdirError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -136,6 +162,18 @@ def main(argv):
         )
     else:
         print(f"{train.result.summary(result)}; results in {workdir}/result.json", flush=True)
+
+
+def _rank() -> int:
+    """This process's index in its run before the run is joined: the flag, or what its
+    launcher says (0 where nothing says)."""
+    if _PROCESS_ID.value is not None:
+        return _PROCESS_ID.value
+    try:
+        launch = cluster.detect(cluster=_CLUSTER.value)
+    except ValueError:
+        return 0
+    return (launch.process_id or 0) if launch is not None else 0
 
 
 def _not_joined() -> None:

@@ -31,6 +31,8 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import TextIO
 
+from largebatch_jax import host
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -65,15 +67,9 @@ def process_command(
     ]
 
 
-# Gloo prints a line per device when the collectives connect ("[Gloo] Rank 3 is connected
-# to 7 peer ranks. Expected number of connected peer ranks is : 7"), in pieces that the
-# devices' threads interleave, leaving fragments down to a bare number ("7"): noise.
-_NOISE = re.compile(r"\[Gloo\]|peer ranks|^\s*\d+\s*$")
-
-
 def _forward(stream: TextIO, out: TextIO, prefix: str, lock: threading.Lock) -> None:
     for line in stream:
-        if _NOISE.search(line):
+        if host.GLOO_NOISE.search(line):
             continue
         with lock:
             out.write(prefix + line)

@@ -9,10 +9,6 @@ both take the same replicated state and the same global batch and return the sam
 
 from __future__ import annotations
 
-import itertools
-import json
-import os
-import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from queue import Queue
@@ -20,7 +16,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -84,101 +79,6 @@ def micro_batch_size(
     return micro
 
 
-DISTRIBUTED_MODES = ("auto", "on", "off")
-
-
-def detect_cluster(environ: Mapping[str, str] | None = None) -> str | None:
-    """The multi-process launcher this process runs under, from its environment: 'slurm'
-    (srun with more than one task), 'openmpi' (mpirun with more than one rank), 'tpu' (a
-    Cloud TPU slice of several hosts), 'jax' (JAX_COORDINATOR_ADDRESS set), or None."""
-    env = os.environ if environ is None else environ
-
-    def count(name: str) -> int:
-        try:
-            return int(env.get(name, "1").split("(")[0])
-        except ValueError:
-            return 1
-
-    if "SLURM_JOB_ID" in env and "SLURM_PROCID" in env and count("SLURM_NTASKS") > 1:
-        return "slurm"
-    if "OMPI_MCA_orte_hnp_uri" in env or count("OMPI_COMM_WORLD_SIZE") > 1:
-        return "openmpi"
-    if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
-        return "tpu"
-    if env.get("JAX_COORDINATOR_ADDRESS"):
-        return "jax"
-    return None
-
-
-def initialize_distributed(
-    mode: str = "auto",
-    coordinator_address: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    heartbeat_timeout_seconds: int = 60,
-    initialization_timeout_seconds: int = 300,
-    environ: Mapping[str, str] | None = None,
-    on_join_timeout: Callable[[], None] | None = None,
-) -> bool:
-    """Join the multi-process run (`jax.distributed.initialize`) if there is one.
-
-    mode 'on' always initialises (JAX fills in what the flags leave unset from the cluster:
-    TPU metadata, SLURM, Open MPI); 'off' never; 'auto' initialises when a flag is given or
-    `detect_cluster` finds a multi-process launcher. A process that stops sending
-    heartbeats for `heartbeat_timeout_seconds` is declared dead and the others stop with
-    an error instead of hanging. When the processes have not all joined after
-    `initialization_timeout_seconds`, `on_join_timeout` is called (from another thread;
-    JAX itself would abort the process with a C++ stack trace a little later). Returns
-    whether it initialised.
-    """
-    if mode not in DISTRIBUTED_MODES:
-        raise ValueError(f"--distributed={mode!r} must be one of {DISTRIBUTED_MODES}.")
-    explicit = coordinator_address is not None or (num_processes or 1) > 1
-    if mode == "off" or (mode == "auto" and not explicit and detect_cluster(environ) is None):
-        return False
-    if process_id == 0 and coordinator_address:
-        check_port_free(coordinator_address)
-    if process_id in (0, None):
-        logging.info(
-            "joining a run of %s processes at %s (waiting up to %d s for all of them)",
-            num_processes or "the cluster's",
-            coordinator_address or "the cluster's coordinator",
-            initialization_timeout_seconds,
-        )
-    joined = threading.Event()
-    if on_join_timeout is not None:
-        threading.Thread(
-            target=lambda: joined.wait(initialization_timeout_seconds) or on_join_timeout(),
-            daemon=True,
-        ).start()
-    margin = 60 if on_join_timeout is not None else 0  # JAX's abort: only a backstop
-    jax.distributed.initialize(
-        coordinator_address,
-        num_processes,
-        process_id,
-        initialization_timeout=initialization_timeout_seconds + margin,
-        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-    )
-    joined.set()
-    return True
-
-
-def check_port_free(coordinator_address: str) -> None:
-    """ValueError (one line) when the coordinator's port is taken on this host (process 0
-    runs the coordinator; JAX would crash binding it)."""
-    port = coordinator_address.rsplit(":", 1)[-1]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", int(port)))
-        except OSError as e:
-            raise ValueError(
-                f"--coordinator_address={coordinator_address}: port {port} cannot be used on "
-                f"this host ({e.strerror}; another run's coordinator or another program "
-                "holds it): choose a free port."
-            ) from None
-
-
 def create_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A 1-D mesh over all devices of all processes, ordered by (process, device id), so
     that process p's devices hold the p-th contiguous share of every global batch, the
@@ -187,45 +87,6 @@ def create_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
         jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id)
     )
     return Mesh(np.array(devices), (AXIS,))
-
-
-_AGREEMENTS = itertools.count()  # each check's keys are new in the job's key-value store
-
-
-def check_processes_agree(values: Mapping[str, Any], timeout_seconds: int = 300) -> None:
-    """Raise a ValueError naming the first entry of `values` (JSON-able) on which some
-    process differs from process 0: every process must run the same config on the same
-    number of devices, or the collectives would silently mix different computations.
-
-    The values travel through the coordination service's key-value store, not a
-    collective: a collective needs the very agreement (the same devices per process)
-    that this checks."""
-    if jax.process_count() == 1:
-        return
-    from jax._src import distributed  # the store has no public API yet (jax 0.10)
-
-    client = distributed.global_state.client
-    prefix = f"largebatch_jax/agree/{next(_AGREEMENTS)}"
-    mine = {k: json.dumps(v, sort_keys=True, default=str) for k, v in values.items()}
-    client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(mine, sort_keys=True))
-    everyone = [
-        json.loads(client.blocking_key_value_get(f"{prefix}/{p}", timeout_seconds * 1000))
-        for p in range(jax.process_count())
-    ]
-    for key in sorted(set().union(*everyone)):
-        reference = everyone[0].get(key)
-        for p, theirs in enumerate(everyone[1:], start=1):
-            if theirs.get(key) != reference:
-                raise ValueError(
-                    f"process {p} has {key}={_short(theirs.get(key))} but process 0 has "
-                    f"{_short(reference)}: start every process with the same command and "
-                    "the same number of devices."
-                )
-
-
-def _short(text: str | None, limit: int = 120) -> str:
-    text = "<missing>" if text is None else text
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class DataParallel:

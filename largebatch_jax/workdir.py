@@ -10,18 +10,64 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 from pathlib import Path
 
 from largebatch_jax.lock import WorkdirError
 
+# FUSE mounts of object stores (Cloud Storage, S3, Azure Blob): no atomic rename of a
+# folder, no hard link, appends that rewrite the object.
+OBJECT_STORE_MOUNTS = (
+    "fuse.gcsfuse",
+    "fuse.s3fs",
+    "fuse.goofys",
+    "fuse.mountpoint-s3",
+    "fuse.blobfuse",
+    "fuse.blobfuse2",
+    "fuse.rclone",
+)
+# Why a workdir cannot be in an object store, and what to use instead.
+NEEDS = (
+    "a run takes its lock with an atomic exclusive create, appends metrics.jsonl line by "
+    "line and renames each checkpoint's folder into place when it is complete, which an "
+    "object store does not do: use a folder on a file system every process mounts (NFS, "
+    "Lustre, GPFS; on Cloud TPU a Filestore share), e.g. --workdir=/mnt/shared/rn50_8k."
+)
 
-def resolve(workdir: str | Path) -> Path:
-    """`--workdir` as an absolute path, `~` expanded (a shell leaves `--workdir=~/x` alone)."""
-    if not str(workdir).strip():  # Path("") is the current directory
+
+def resolve(workdir: str | Path, mounts: str = "/proc/self/mounts") -> Path:
+    """`--workdir` as an absolute path, `~` expanded (a shell leaves `--workdir=~/x` alone).
+    A URL (gs://, s3://) or a folder on a FUSE mount of an object store is refused."""
+    text = str(workdir)
+    if not text.strip():  # Path("") is the current directory
         raise WorkdirError(
             "--workdir is empty: name the run's folder, e.g. --workdir=workdirs/run1."
         )
-    return Path(os.path.expanduser(str(workdir))).absolute()
+    if url := re.match(r"([a-zA-Z][\w+.-]*)://", text):
+        raise WorkdirError(f"--workdir={text}: a {url[1]}:// URL cannot be a workdir: {NEEDS}")
+    path = Path(os.path.expanduser(text)).absolute()
+    fstype = mount_type(Path(os.path.realpath(path)), mounts)
+    if fstype in OBJECT_STORE_MOUNTS:
+        raise WorkdirError(f"--workdir={path} is on a {fstype} mount of an object store: {NEEDS}")
+    return path
+
+
+def mount_type(path: Path, mounts: str = "/proc/self/mounts") -> str | None:
+    """The file system type of the mount that holds `path` (which need not exist yet)."""
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1])
+        inside = str(path) == point or str(path).startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
 
 
 def check_writable(workdir: Path) -> None:

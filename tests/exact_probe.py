@@ -13,7 +13,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
-from largebatch_jax import exact, parallel
+from largebatch_jax import cluster, exact, parallel
 
 
 def digest(x) -> str:
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--process_id", type=int)
     args = parser.parse_args()
     exact.fix_cpu_threads()
-    parallel.initialize_distributed(
+    cluster.initialize_distributed(
         "auto", args.coordinator_address, args.num_processes, args.process_id
     )
     engine = parallel.DataParallel(parallel.create_mesh())

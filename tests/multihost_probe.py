@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from largebatch_jax import parallel
+from largebatch_jax import cluster, parallel
 from largebatch_jax.data import loader, sources
 
 
@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--num_processes", type=int)
     parser.add_argument("--process_id", type=int)
     args = parser.parse_args()
-    parallel.initialize_distributed(
+    cluster.initialize_distributed(
         "auto", args.coordinator_address, args.num_processes, args.process_id
     )
     engine = parallel.DataParallel(parallel.create_mesh())

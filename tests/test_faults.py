@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from configs import smoke
+from largebatch_jax import launch
 from largebatch_jax import lock as lock_module
 from largebatch_jax import record as run_record
 from largebatch_jax import workdir as wd
@@ -871,17 +872,19 @@ def test_bad_config_files_and_fields_are_one_line(tmp_path, case):
     assert not (tmp_path / "wd").exists()
 
 
-@pytest.mark.parametrize("case", ["empty", "checkpoints_a_file", "record_not_utf8"])
+@pytest.mark.parametrize("case", ["empty", "checkpoints_a_file", "record_not_utf8", "gs_url"])
 def test_bad_workdirs_are_one_line(tmp_path, fashion_mnist_dir, case):
     """An empty --workdir (not the current directory), a file where the checkpoints go,
-    a run record that is not UTF-8: one line, exit 2, nothing written."""
+    a run record that is not UTF-8, a gs:// URL (before: a local folder 'gs:'): one line,
+    exit 2, nothing written."""
     workdir = tmp_path / "wd"
     workdir.mkdir()
     if case == "checkpoints_a_file":
         (workdir / "checkpoints").write_text("not a folder")
     elif case == "record_not_utf8":
         (workdir / run_record.RECORD).write_bytes(b"\xff\xfe not json")
-    out = run("" if case == "empty" else workdir, fashion_mnist_dir, timeout=120)
+    given = {"empty": "", "gs_url": "gs://bucket/rn50_8k"}.get(case, workdir)
+    out = run(given, fashion_mnist_dir, timeout=120)
     assert out.returncode == 2, out.stderr[-3000:]
     one_error(
         out,
@@ -889,15 +892,60 @@ def test_bad_workdirs_are_one_line(tmp_path, fashion_mnist_dir, case):
             "empty": "--workdir is empty: name the run's folder",
             "checkpoints_a_file": "checkpoints is a file, where the run keeps its checkpoints",
             "record_not_utf8": f"{run_record.RECORD} is not readable",
+            "gs_url": "--workdir=gs://bucket/rn50_8k: a gs:// URL cannot be a workdir: a run "
+            "takes its lock with an atomic exclusive create",
         }[case],
     )
     assert not (ROOT / "checkpoints").exists() and not (ROOT / "metrics.jsonl").exists()
+    assert not (ROOT / "gs:").exists()
     if case == "record_not_utf8":  # left as it was, nothing trained
         assert (workdir / run_record.RECORD).read_bytes() == b"\xff\xfe not json"
         assert not checkpoint_steps(workdir)
     else:
-        expected = [] if case == "empty" else ["checkpoints"]
+        expected = ["checkpoints"] if case == "checkpoints_a_file" else []
         assert [p.name for p in workdir.iterdir()] == expected
+
+
+def test_a_workdir_on_a_mount_of_an_object_store_is_refused(tmp_path):
+    """gcsfuse (and the like) has no atomic folder rename nor hard link: refused, by the
+    type of the mount that holds the folder (a link into it too); an NFS share is not."""
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "/dev/vda1 / ext4 rw 0 0\n"
+        "rn50-bucket /mnt/gcs\\040bucket fuse.gcsfuse rw,nosuid 0 0\n"
+        "10.0.0.2:/share /mnt/shared nfs4 rw 0 0\n"
+    )
+    with pytest.raises(wd.WorkdirError) as error:
+        wd.resolve("/mnt/gcs bucket/rn50/run1", str(mounts))
+    assert "is on a fuse.gcsfuse mount of an object store" in str(error.value)
+    assert "Filestore share" in str(error.value) and "\n" not in str(error.value)
+    assert wd.resolve("/mnt/shared/rn50", str(mounts)) == Path("/mnt/shared/rn50")
+    assert wd.resolve("/mnt/gcsx/rn50", str(mounts)) == Path("/mnt/gcsx/rn50")
+    assert wd.mount_type(Path("/mnt/gcs bucket"), str(mounts)) == "fuse.gcsfuse"
+
+
+def test_a_finished_run_started_again_returns_at_once(tmp_path, fashion_mnist_dir, straight):
+    """A requeued or repeated job of a finished run ends at once with its result: exit 0,
+    before any backend starts or any other process is waited for (here process 0 of 2,
+    whose process 1 never comes), nothing written; a changed config still goes the full
+    way (and is refused there)."""
+    finished = tmp_path / "finished"
+    shutil.copytree(straight, finished)
+    before = {p.name: p.read_bytes() for p in finished.iterdir() if p.is_file()}
+    port = launch.free_port()
+    alone = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", "--process_id=0"]
+    began = time.time()
+    out = run(finished, fashion_mnist_dir, *LONGER, *alone, "--initialization_timeout_seconds=60")
+    took = time.time() - began
+    print(f"a finished run started again: exit {out.returncode} after {took:.1f} s")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("done: top-1 error") and out.stdout.count("\n") == 1
+    assert "joining" not in out.stderr and "devices=" not in out.stderr
+    assert took < 30
+    assert {p.name: p.read_bytes() for p in finished.iterdir() if p.is_file()} == before
+    out = run(finished, fashion_mnist_dir, *LONGER, "--config.seed=1", timeout=120)
+    assert out.returncode == 2
+    one_error(out, "seed=0 (this config: 1)")
 
 
 def test_tilde_workdir_and_data_dir_are_expanded(tmp_path):

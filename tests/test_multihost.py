@@ -435,30 +435,6 @@ def test_launcher_environment_and_command():
     assert launch.main(["--processes=2", "--devices_per_process=4"]) == 2  # no `--`
 
 
-@pytest.mark.parametrize(
-    "environ,expected",
-    [
-        ({}, None),
-        ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "16"}, "slurm"),
-        ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, None),
-        ({"OMPI_COMM_WORLD_SIZE": "4"}, "openmpi"),
-        ({"OMPI_COMM_WORLD_SIZE": "1"}, None),
-        ({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3"}, "tpu"),
-        ({"TPU_WORKER_HOSTNAMES": "localhost"}, None),
-        ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, "jax"),
-    ],
-)
-def test_cluster_detection(environ, expected):
-    assert parallel.detect_cluster(environ) == expected
-
-
-def test_initialize_distributed_does_nothing_on_a_single_machine():
-    assert parallel.initialize_distributed("auto", environ={}) is False
-    assert parallel.initialize_distributed("off", "127.0.0.1:1", 2, 0) is False
-    with pytest.raises(ValueError, match="--distributed='maybe'"):
-        parallel.initialize_distributed("maybe")
-
-
 def test_mesh_is_process_major():
     mesh = parallel.create_mesh(list(reversed(jax.devices())))
     assert [d.id for d in mesh.devices.flat] == sorted(d.id for d in mesh.devices.flat)

@@ -12,7 +12,7 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from largebatch_jax import fields, parallel
+from largebatch_jax import cluster, fields
 from largebatch_jax import record as run_record
 from largebatch_jax import workdir as wd
 from largebatch_jax.data import sources
@@ -29,7 +29,7 @@ def processes_agree(config: Any) -> None:
     if config.reduction == "exact":  # the bits depend on the device model's kernels too
         values["device kind"] = jax.local_devices()[0].device_kind
     try:
-        parallel.check_processes_agree(values)
+        cluster.check_processes_agree(values)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -5,15 +5,20 @@ steps."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 from absl import logging
 
-from largebatch_jax import schedules
+from largebatch_jax import lock, schedules
 from largebatch_jax.metrics import TrainClock
+from largebatch_jax.train.errors import LOST_PROCESS_EXIT, first_line, lost_processes
 from largebatch_jax.train.reporting import MetricLog, evaluate_and_log
-from largebatch_jax.train.signals import DeferredInterrupt, Preemption
+from largebatch_jax.train.signals import AGREEMENT_SECONDS, DeferredInterrupt, Preemption
 from largebatch_jax.train.state import Progress, Run
 
 
@@ -93,39 +98,77 @@ def save(
         run.checkpointer.save(step, state, progress.to_json())
 
 
+def stop_for_lost_processes(run: Run, silent: list[int], answered: list[int]) -> None:
+    """A preemption notice that some processes did not answer: they have died, and this
+    process can neither save with them nor go on (its next collective waits for them).
+    The first process that answered says so in one line; every one that answered exits
+    now (from the agreement's thread: the main thread may be waiting in a collective),
+    its workdir lock released, the checkpoints saved so far untouched."""
+    if jax.process_index() == min(answered):
+        line = lost_processes(
+            silent,
+            jax.process_count(),
+            AGREEMENT_SECONDS,
+            run.checkpointer.steps(),
+            run.checkpointer.directory,
+        )
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    lock.release_held()
+    os._exit(LOST_PROCESS_EXIT)
+
+
 def run_steps(
     run: Run, state: Any, progress: Progress, writer: Any, clock: TrainClock
 ) -> tuple[Any, int | None]:
     """Run the steps from `progress.step` to the last. Returns the state and the step a
-    preemption notice stopped at (its checkpoint saved), or None when the run finished."""
+    preemption notice stopped at (its checkpoint saved), or None when the run finished.
+    A runtime error of a run of several processes (a collective whose peer is gone)
+    first asks whether every process is still there (`Preemption.check_peers`)."""
+    lost = functools.partial(stop_for_lost_processes, run)
+    with Preemption(progress.step, lost) as preemption, DeferredInterrupt() as interrupts:
+        try:
+            return _steps(run, state, progress, writer, clock, preemption, interrupts)
+        except jax.errors.JaxRuntimeError as e:
+            preemption.check_peers(first_line(e))
+            raise
+
+
+def _steps(
+    run: Run,
+    state: Any,
+    progress: Progress,
+    writer: Any,
+    clock: TrainClock,
+    preemption: Preemption,
+    interrupts: DeferredInterrupt,
+) -> tuple[Any, int | None]:
     stop_on_nonfinite = not run.config.skip_nonfinite  # the NaN policy
     triggers = Triggers.of(run.config, run.data.steps_per_epoch, run.total_steps)
     log = MetricLog(run, progress, writer, clock)
     batches = device_batches(run)
     step_fn = None
-    with Preemption() as preemption, DeferredInterrupt() as interrupts:
-        if progress.step == 0:
-            save(run, state, progress, clock, interrupts, 0)  # a state to fall back to
-        clock.start()
-        for step in range(progress.step + 1, run.total_steps + 1):
-            if preemption.reached(step - 1):
-                # Every row of step - 1 is written: count its steps into the checkpoint.
-                log.flush(step - 1, stop_on_nonfinite, write=False)
-                save(run, state, progress, clock, interrupts, step - 1)
-                return state, step - 1
-            batch, progress.data = next(batches)
-            if step_fn is None:
-                step_fn = compile_train_step(run, clock, state, batch)
-            state, metrics = step_fn(state, batch)
-            log.add(step, metrics)
-            due = triggers.at(step)
-            if due.report:
-                log.flush(step, stop_on_nonfinite)
-            if due.epoch_end:
-                log.end_epoch(step)
-            if due.evaluate:
-                evaluate_and_log(run, state, writer, clock, step)
-            if due.checkpoint:
-                save(run, state, progress, clock, interrupts, step)
-        clock.stop()
+    if progress.step == 0:
+        save(run, state, progress, clock, interrupts, 0)  # a state to fall back to
+    clock.start()
+    for step in range(progress.step + 1, run.total_steps + 1):
+        if preemption.reached(step - 1):
+            # Every row of step - 1 is written: count its steps into the checkpoint.
+            log.flush(step - 1, stop_on_nonfinite, write=False)
+            save(run, state, progress, clock, interrupts, step - 1)
+            return state, step - 1
+        batch, progress.data = next(batches)
+        if step_fn is None:
+            step_fn = compile_train_step(run, clock, state, batch)
+        state, metrics = step_fn(state, batch)
+        log.add(step, metrics)
+        due = triggers.at(step)
+        if due.report:
+            log.flush(step, stop_on_nonfinite)
+        if due.epoch_end:
+            log.end_epoch(step)
+        if due.evaluate:
+            evaluate_and_log(run, state, writer, clock, step)
+        if due.checkpoint:
+            save(run, state, progress, clock, interrupts, step)
+    clock.stop()
     return state, None

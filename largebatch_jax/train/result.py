@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from largebatch_jax import schedules
+from largebatch_jax import record, schedules
 from largebatch_jax import workdir as wd
 from largebatch_jax.checkpoint import tree_digest
 from largebatch_jax.metrics import TrainClock, read_metrics
@@ -70,6 +71,22 @@ def finished_result(run: Run, progress: Progress) -> dict | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
         return None  # torn by a crash before it was written atomically: write it again
+
+
+def finished_in(workdir: Path, config: Any) -> dict | None:
+    """The stored result of the run in `workdir` where that run finished with this config
+    (the same length and every field of the math the same), else None. A finished run
+    started again answers with it at once: a requeued or repeated job ends without
+    starting the accelerators or waiting for its other processes."""
+    try:
+        result = json.loads((workdir / RESULT).read_text())
+        recorded = result["config"]
+        if recorded.get("num_epochs") != config.num_epochs:
+            return None
+        record.check_resume(recorded, config, int(result["steps"]), steps_per_epoch=1)
+    except Exception:  # no result, a torn or foreign one, another config: the full start says
+        return None
+    return result
 
 
 def summary(result: dict) -> str:
