@@ -5,9 +5,11 @@
     python main.py --config=configs/fashion_mnist.py --workdir=/tmp/fmnist --config.batch_size=1024
 
 Any field can be overridden with --config.FIELD=VALUE. Rerunning the same command resumes
-from the newest checkpoint in the workdir; rerunning a finished run prints its result.
-Exit codes: 0 done (or preempted by SIGTERM with a checkpoint saved), 2 bad config / data /
-workdir (also a full disk, a workdir in use), 1 a failed run (e.g. NaN loss), 130 SIGINT.
+from the newest checkpoint in the workdir; rerunning a finished run prints its result at
+once. Under SLURM, MPI or on a Cloud TPU slice every process runs the same command
+(docs/many_machines.md). Exit codes (docs/faults.md): 0 done, or preempted by SIGTERM with
+a checkpoint saved; 1 a failed run (e.g. NaN loss); 2 bad config / data / workdir (also a
+full disk, a workdir in use); 75 another process of the run is gone; 130 SIGINT.
 """
 
 import os
@@ -15,6 +17,7 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 
 def _stopped_outside_the_loop(signum, frame):
@@ -47,7 +50,7 @@ with host.plugin_noise_filtered():
     from absl import app, flags, logging
     from ml_collections import config_flags
 
-    from largebatch_jax import cluster, exact, train
+    from largebatch_jax import cluster, console, exact, train
     from largebatch_jax import workdir as wd
     from largebatch_jax.data.loader import UnreadableImageError
     from largebatch_jax.data.sources import DatasetNotPreparedError
@@ -101,57 +104,22 @@ def main(argv):
     try:
         workdir = wd.resolve(_WORKDIR.value)
         done = train.result.finished_in(workdir, config)
-        if done is not None:  # at once: no backend, no waiting for the other processes
-            if _rank() == 0:
-                print(f"{train.result.summary(done)}; results in {workdir}/result.json")
-            return
-        joined = cluster.initialize_distributed(
-            _DISTRIBUTED.value,
-            _COORDINATOR.value,
-            _NUM_PROCESSES.value,
-            _PROCESS_ID.value,
-            _CLUSTER.value,
-            heartbeat_timeout_seconds=_HEARTBEAT.value,
-            initialization_timeout_seconds=_JOIN_TIMEOUT.value,
-            on_join_timeout=_not_joined,
-        )
+        joined = None if done is not None else _join()
     except (ValueError, wd.WorkdirError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    with host.plugin_noise_filtered():
-        devices = jax.devices()  # the backend starts here
-    if joined is not None and devices[0].platform == "cpu":
-        host.drop_output_lines(1, host.GLOO_NOISE)  # gloo's connection lines, on stdout
-    unused = cluster.check_gpus_used(
-        devices[0].platform,
-        jax.local_device_count(),
-        cluster.cuda_plugin_gpus(),
-        joined,
-        jax.process_index(),
-    )
-    if unused:
-        print(f"error: {unused}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    warning = host.cpu_only_warning(
-        devices[0].platform,
-        len(devices),
-        config.model,
-        config.image_size,
-        host.visible_accelerators(),
-    )
-    if warning and jax.process_index() == 0:
-        print(warning, file=sys.stderr, flush=True)
+        _stop(e, 2)
+    if done is not None:  # at once: no backend, no waiting for the other processes
+        if _rank() == 0:
+            print(f"{train.result.summary(done)}; results in {workdir}/result.json")
+        return
+    _start_backend(config, workdir, joined)
     try:
         result = train.train_and_evaluate(config, workdir)
     except (ConfigError, DatasetNotPreparedError, UnreadableImageError, wd.WorkdirError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _stop(e, 2)
     except train.NonFiniteLossError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        _stop(e, 1)
     except train.RunInterruptedError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(130)
+        _stop(e, 130)
     if jax.process_index() != 0:
         return
     if "preempted" in result:
@@ -162,6 +130,50 @@ def main(argv):
         )
     else:
         print(f"{train.result.summary(result)}; results in {workdir}/result.json", flush=True)
+
+
+def _stop(error: object, code: int) -> NoReturn:
+    """One `error:` line and the exit code (the table in docs/faults.md)."""
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _join() -> "cluster.Joined | None":
+    """Join the multi-process run this process belongs to, if any (cluster.py)."""
+    return cluster.initialize_distributed(
+        _DISTRIBUTED.value,
+        _COORDINATOR.value,
+        _NUM_PROCESSES.value,
+        _PROCESS_ID.value,
+        _CLUSTER.value,
+        heartbeat_timeout_seconds=_HEARTBEAT.value,
+        initialization_timeout_seconds=_JOIN_TIMEOUT.value,
+        on_join_timeout=_not_joined,
+    )
+
+
+def _start_backend(config, workdir: Path, joined: "cluster.Joined | None") -> None:
+    """Start JAX's backend; in a run of several processes, filter the console (gloo's
+    lines, JAX's abort on a lost process: console.py); stop in one line where a GPU given
+    to this process is idle; warn where an ImageNet-size run is about to train on CPU."""
+    with host.plugin_noise_filtered():
+        devices = jax.devices()
+    if joined is not None:
+        console.start(1, f"--drop={console.GLOO_NOISE.pattern}")
+        console.start(
+            2, f"--rank={jax.process_index()}", f"--checkpoints={workdir / 'checkpoints'}"
+        )
+    platform = devices[0].platform
+    unused = cluster.check_gpus_used(
+        platform, jax.local_device_count(), cluster.cuda_plugin_gpus(), joined, jax.process_index()
+    )
+    if unused:
+        _stop(unused, 2)
+    warning = host.cpu_only_warning(
+        platform, len(devices), config.model, config.image_size, host.visible_accelerators()
+    )
+    if warning and jax.process_index() == 0:
+        print(warning, file=sys.stderr, flush=True)
 
 
 def _rank() -> int:

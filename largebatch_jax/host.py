@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, MutableMapping
@@ -48,44 +47,6 @@ PLUGIN_NOISE = (
     re.compile(r"^I\d{4} .*cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized"),
     re.compile(r"^To enable the following instructions: .* in other operations, rebuild"),
 )
-
-
-# Gloo (JAX's CPU collectives across processes) prints a line to stdout each time a group
-# of devices connects ("[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of
-# connected peer ranks is : 7"), in pieces that the devices' threads interleave, leaving
-# fragments down to a bare number ("7").
-GLOO_NOISE = re.compile(r"\[Gloo\]|peer ranks|^\s*\d+\s*$")
-
-# The filter process of `drop_output_lines`: every line but the pattern's, at once.
-_LINE_FILTER = """
-import re, signal, sys
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-noise = re.compile(sys.argv[1].encode())
-for line in sys.stdin.buffer:
-    if not noise.search(line):
-        sys.stdout.buffer.write(line)
-        sys.stdout.buffer.flush()
-"""
-
-
-def drop_output_lines(fd: int, pattern: re.Pattern) -> None:
-    """From now on, what this process writes to `fd` (native code included) passes
-    through a child process that drops the lines matching `pattern`. A child, not a
-    thread: what is written just before this process is killed still comes out. It
-    ignores SIGTERM and SIGINT (a scheduler signals every process of a job step) and ends
-    when the last writer of the pipe is gone."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    read, write = os.pipe()
-    target = os.dup(fd)
-    subprocess.Popen(
-        [sys.executable, "-c", _LINE_FILTER, pattern.pattern], stdin=read, stdout=target
-    )
-    os.close(read)
-    os.close(target)
-    os.dup2(write, fd)
-    os.close(write)
 
 
 def visible_accelerators(root: str = "/") -> tuple[str, ...]:

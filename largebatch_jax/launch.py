@@ -31,7 +31,7 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import TextIO
 
-from largebatch_jax import host
+from largebatch_jax.console import GLOO_NOISE
 
 
 def free_port() -> int:
@@ -69,7 +69,7 @@ def process_command(
 
 def _forward(stream: TextIO, out: TextIO, prefix: str, lock: threading.Lock) -> None:
     for line in stream:
-        if host.GLOO_NOISE.search(line):
+        if GLOO_NOISE.search(line):
             continue
         with lock:
             out.write(prefix + line)

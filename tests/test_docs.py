@@ -60,3 +60,35 @@ def test_the_check_finds_a_broken_link(tmp_path):
 def test_the_readme_is_a_front_door():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 250 and "## Contents" in lines
+
+
+def exit_code_rows() -> list[tuple[str, list[str]]]:
+    """(exit code, the tests named) of each row of docs/faults.md's exit-code table."""
+    text = (ROOT / "docs" / "faults.md").read_text()
+    table = text.split("## Exit codes", 1)[1].split("\n\n| exit |", 1)[1].split("\n\n")[0]
+    rows = [r.split("|") for r in table.splitlines() if r.startswith("| ") and "---" not in r]
+    return [(r[1].strip(), re.findall(r"`(tests/[\w/]+\.py::\w+)`", r[4])) for r in rows[1:]]
+
+
+def test_every_exit_code_of_the_table_is_asserted_by_the_tests_it_names():
+    rows = exit_code_rows()
+    assert {code for code, _ in rows} == {"0", "1", "2", "75", "130"}
+    for code, tests in rows:
+        assert tests, f"exit {code}: no test named"
+        for test in tests:
+            path, name = test.split("::")
+            source = (ROOT / path).read_text()
+            assert f"def {name}(" in source, test
+            body = source.split(f"def {name}(", 1)[1].split("\ndef ", 1)[0]
+            assert re.search(rf"\b{code}\b", body), f"{test} asserts nothing of exit {code}"
+
+
+def test_every_test_the_docs_name_exists():
+    named = {m for page in PAGES for m in re.findall(r"(tests/[\w/]+\.py::\w+)", page.read_text())}
+    assert named
+    missing = [
+        t
+        for t in sorted(named)
+        if f"def {t.split('::')[1]}(" not in (ROOT / t.split("::")[0]).read_text()
+    ]
+    assert missing == []

@@ -875,8 +875,8 @@ def test_bad_config_files_and_fields_are_one_line(tmp_path, case):
 @pytest.mark.parametrize("case", ["empty", "checkpoints_a_file", "record_not_utf8", "gs_url"])
 def test_bad_workdirs_are_one_line(tmp_path, fashion_mnist_dir, case):
     """An empty --workdir (not the current directory), a file where the checkpoints go,
-    a run record that is not UTF-8, a gs:// URL (before: a local folder 'gs:'): one line,
-    exit 2, nothing written."""
+    a run record that is not UTF-8, a gs:// URL (no local folder 'gs:'): one line, exit 2,
+    nothing written."""
     workdir = tmp_path / "wd"
     workdir.mkdir()
     if case == "checkpoints_a_file":
