@@ -237,6 +237,24 @@ def test_a_dead_process_then_a_sigterm_and_the_run_still_ends_bit_identical(
 
 
 @pytest.mark.slow
+def test_a_dead_coordinator_is_one_line_from_its_survivor(tmp_path, fashion_mnist_dir):
+    """Process 0, which runs JAX's coordination service, SIGKILLed: JAX stops process 1 at
+    once (its errors, a C++ stack trace and Python's dump of every thread); the console
+    filter says it in one line naming process 0 and the checkpoints kept."""
+    proc = start(tmp_path, fashion_mnist_dir, *EVAL_PER_EPOCH, **TWO)
+    wait_for_checkpoint(proc, tmp_path, 8)
+    (victim,) = [pid for pid, cmd in children(proc.pid) if "--process_id=0" in cmd]
+    os.kill(victim, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    survivor = [x[len("[p1] ") :] for x in stderr.splitlines() if x.startswith("[p1] ")]
+    (line,) = [x for x in survivor if x.startswith("error:")]
+    assert line.startswith("error: process 0, which runs JAX's coordination service, is gone")
+    assert f"checkpoints at steps {checkpoint_steps(tmp_path)} in" in line
+    assert foreign_lines("\n".join(survivor)) == [], stderr[-3000:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("differ", ["config", "workdir", "devices"])
 def test_processes_that_disagree_stop_with_exit_2(tmp_path, fashion_mnist_dir, differ):
     """Two processes of one run with different configs, each with a workdir of its own
