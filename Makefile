@@ -32,7 +32,7 @@ lint: install
 # The SLURM and MPI tests share one pytest process (--dist loadgroup: their xdist_group),
 # and skip with one line where scripts/install_cluster_engines.sh has not run.
 test: lint data
-	REQUIRE_TPU_COMPILER=1 REQUIRE_GPU_COMPILER=1 $(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup
+	REQUIRE_TPU_COMPILER=1 REQUIRE_GPU_COMPILER=1 $(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup --durations=20
 
 # Wheels the GPU check installs offline where the GPU host lacks them (scripts/gpu_check.sh).
 wheels:

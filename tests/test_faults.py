@@ -190,12 +190,22 @@ def test_the_run_identity_changes_with_the_math_only():
         assert run_record.run_identity(other) != base, field
 
 
-def flip_bytes(path: Path, count: int = 3) -> None:
-    """Invert `count` bytes spread over the middle half of a file."""
-    data = bytearray(path.read_bytes())
-    for i in range(count):
-        data[len(data) // 4 + i * len(data) // (2 * count)] ^= 0xFF
-    path.write_bytes(bytes(data))
+def damage_silently(workdir: Path, step: int) -> None:
+    """One bit of one parameter of checkpoint `step` flipped, the checkpoint still
+    readable: its arrays written again by orbax (flipped bytes in its compressed data
+    files would make it unreadable, or not, by where they fall)."""
+    import orbax.checkpoint as ocp
+
+    state = final_state(workdir, step)
+    kernel = np.array(state["params"]["stem_conv"]["kernel"])
+    kernel.view(np.uint32).flat[0] ^= 1
+    state["params"]["stem_conv"]["kernel"] = kernel
+    folder = workdir / "checkpoints" / str(step)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(folder / "state.damaged", state)
+    checkpointer.wait_until_finished()
+    shutil.rmtree(folder / "state")
+    (folder / "state.damaged").rename(folder / "state")
 
 
 def test_foreign_damaged_and_unreadable_checkpoints_are_set_aside(
@@ -203,10 +213,10 @@ def test_foreign_damaged_and_unreadable_checkpoints_are_set_aside(
 ):
     """A copy of the uninterrupted run whose step 64 is replaced by a
     real foreign checkpoint (a run with lr_multiplier=100: the same shapes and seed),
-    whose step 56 has three flipped bytes in its largest data file and whose step 48
-    cannot be parsed. The rerun passes over each with one warning line naming why, moves
-    it to rejected_checkpoints/, resumes from step 40, saves 48..64 anew and ends with
-    the uninterrupted run's params_sha256."""
+    whose step 56 has one bit of a parameter flipped (readable, silently damaged) and
+    whose step 48 cannot be parsed. The rerun passes over each with one warning line
+    naming why, moves it to rejected_checkpoints/, resumes from step 40, saves 48..64
+    anew and ends with the uninterrupted run's params_sha256."""
     foreign = tmp_path / "foreign"
     out = run(
         foreign,
@@ -222,8 +232,7 @@ def test_foreign_damaged_and_unreadable_checkpoints_are_set_aside(
     ckpts = workdir / "checkpoints"
     shutil.rmtree(ckpts / "64")
     shutil.copytree(foreign / "checkpoints" / "8", ckpts / "64")
-    files = [f for f in (ckpts / "56" / "state").rglob("*") if f.is_file()]
-    flip_bytes(max(files, key=lambda f: f.stat().st_size))
+    damage_silently(workdir, 56)
     for f in (ckpts / "48" / "state").rglob("*"):
         if f.is_file():
             f.write_bytes(b"garbage")
