@@ -63,7 +63,9 @@ class StopAgreement:
         return bool(self._client.key_value_dir_get(f"{self._key}/notice/"))
 
     def announce(self, why: str) -> None:
-        self._client.key_value_set(f"{self._key}/notice/{self._process}", why)
+        """Tell the other processes to agree (this process may announce twice: a SIGTERM
+        and a failed collective at the same moment)."""
+        self._client.key_value_set(f"{self._key}/notice/{self._process}", why, allow_overwrite=True)
 
     def leave(self) -> None:
         """This process has left the loop: a notice now finds it gone, not silent."""
@@ -153,15 +155,22 @@ class Preemption:
         while not self._done.is_set():
             ready, _, _ = select.select([self._wake], [], [], POLL_SECONDS)
             signals = self._wake.recv(256) if ready else b""
-            try:
-                if signal.SIGTERM in signals:
-                    self._agreement.announce("SIGTERM")
-                elif not self._agreement.announced():
-                    continue
-                self._agreement.run()
-            except Exception:  # the coordination service is gone: JAX stops the process
-                pass
-            return
+            if signal.SIGTERM in signals:
+                self._agree("SIGTERM")
+                return
+            with contextlib.suppress(Exception):  # the service is gone: JAX stops us
+                if self._agreement.announced():
+                    self._agree(None)
+                    return
+
+    def _agree(self, why: str | None) -> None:
+        """Announce a notice (`why`, unless another process did), then run the agreement;
+        where the coordination service is gone, JAX itself stops the process."""
+        with contextlib.suppress(Exception):
+            if why is not None:
+                self._agreement.announce(why)
+        with contextlib.suppress(Exception):
+            self._agreement.run()
 
     def reached(self, step: int) -> bool:
         """Whether to save and stop after `step` (called once per step, on every process)."""
@@ -174,9 +183,7 @@ class Preemption:
         and runs the agreement; returns when every process answered (the failure is
         another one), and `on_silent` is called otherwise."""
         if self._agreement is not None:
-            with contextlib.suppress(Exception):
-                self._agreement.announce(why)
-                self._agreement.run()
+            self._agree(why)
 
     def __exit__(self, *exc):
         self._done.set()
