@@ -1,8 +1,9 @@
 """SLURM starts the job for real: a one-node SLURM of this machine (tests/engines.py) runs
-main.py on the smoke config (64 steps, tests.runs.LONGER) as 2 tasks x 4 CPU devices, with
-the srun flags of the sbatch script the docs show (scripts/slurm/train.sbatch). Exact mode
-makes every layout's bits the same, so every run, interrupted or not, ends with the
-params_sha256 of one process with 8 devices (conftest's `straight`)."""
+main.py on the smoke config (64 steps, tests.runs.LONGER; evaluated at the end only) as 2
+tasks x 2 CPU devices (x 4 beside the local launcher's 2 x 4), with the srun flags of the
+sbatch script the docs show (scripts/slurm/train.sbatch). Exact mode makes every layout's
+bits the same, so every run, interrupted or not, ends with the params_sha256 of one
+process with 8 devices (conftest's `straight`)."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.engines import TWO_BY_FOUR, Slurm, need, program_lines, task_pid
+from tests.engines import TWO_BY_FOUR, TWO_BY_TWO, Slurm, need, program_lines, task_pid
 from tests.runs import (
     LONGER,
     checkpoint_steps,
@@ -31,6 +32,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster_engines")]
 
 # The sbatch script's srun flags, for 2 tasks (scripts/slurm/train.sbatch).
 SRUN = ("srun", "--kill-on-bad-exit=1", "--ntasks=2")
+# One evaluation, at the end (LONGER has one per epoch): the same parameters, less time.
+SMOKE = (*LONGER, "--config.eval_every_epochs=4.0")
 SCRIPT = "scripts/slurm/train.sbatch"
 
 
@@ -52,7 +55,7 @@ def main_py(workdir, data_dir, *extra):
         "--config=configs/smoke.py",
         f"--workdir={workdir}",
         f"--config.data_dir={data_dir}",
-        *LONGER,
+        *SMOKE,
         *extra,
     ]
 
@@ -67,7 +70,7 @@ def test_srun_gives_the_bits_of_the_launcher_and_of_one_process(
     """srun's 2 tasks and the local launcher's 2 processes, side by side, against one
     process with 8 devices."""
     step = slurm.start_step([*SRUN, *main_py(tmp_path / "srun", fashion_mnist_dir)], **TWO_BY_FOUR)
-    launched = start(tmp_path / "launch", fashion_mnist_dir, *LONGER, processes=2, devices=4)
+    launched = start(tmp_path / "launch", fashion_mnist_dir, *SMOKE, processes=2, devices=4)
     stdout, stderr = step.communicate(timeout=300)
     assert step.returncode == 0, stderr[-3000:]
     assert "joining a run of 2 processes started by SLURM" in stderr
@@ -85,7 +88,7 @@ def test_a_task_killed_ends_the_step_in_seconds_with_one_line(
     with one line naming it; every checkpoint saved is the uninterrupted run's, and the
     same command then finishes the run with its bits."""
     command = [*SRUN, *main_py(tmp_path, fashion_mnist_dir)]
-    step = slurm.start_step(command, **TWO_BY_FOUR)
+    step = slurm.start_step(command, **TWO_BY_TWO)
     wait_for_checkpoint(step, tmp_path, 8)
     killed = time.time()
     os.kill(task_pid(tmp_path, 1), signal.SIGKILL)
@@ -105,7 +108,7 @@ def test_a_task_killed_ends_the_step_in_seconds_with_one_line(
     for saved in kept:
         ours, reference = flat(final_state(tmp_path, saved)), flat(final_state(straight, saved))
         assert all(np.array_equal(ours[k], reference[k]) for k in reference), saved
-    out = slurm.run(command, **TWO_BY_FOUR)
+    out = slurm.run(command, **TWO_BY_TWO)
     assert out.returncode == 0, out.stderr[-3000:]
     assert sha(tmp_path) == sha(straight)
 
@@ -129,13 +132,13 @@ def test_scancel_term_saves_one_step_and_the_sbatch_script_resumes_it_to_the_end
             "--ntasks-per-node=2",
             f"--output={log}",
             SCRIPT,
-            *LONGER,
+            *SMOKE,
         ],
         CONFIG="configs/smoke.py",
         WORKDIR=str(workdir),
         DATA_DIR=fashion_mnist_dir,
         PYTHON=sys.executable,
-        **TWO_BY_FOUR,
+        **TWO_BY_TWO,
     )
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip()
@@ -164,7 +167,7 @@ def test_main_py_in_a_batch_script_without_srun_is_one_line(slurm, tmp_path, fas
     command = shlex.join(main_py(tmp_path / "run", fashion_mnist_dir))
     submitted = slurm.run(
         ["sbatch", "--parsable", "--ntasks=2", f"--output={log}", f"--wrap={command}"],
-        **TWO_BY_FOUR,
+        **TWO_BY_TWO,
     )
     job = submitted.stdout.strip()
     done = slurm.wait(job, lambda j: j.get("JobState") in ("COMPLETED", "FAILED"), "end", 120)
