@@ -37,7 +37,9 @@ def mpirun(workdir, data_dir, *options):
         f"--workdir={workdir}",
         f"--config.data_dir={data_dir}",
         *LONGER,
-        "--config.eval_every_epochs=4.0",  # one evaluation, at the end: less time
+        # one evaluation and one checkpoint, at the end: less time, the same parameters
+        "--config.eval_every_epochs=4.0",
+        "--config.checkpoint_every_steps=64",
     ]
     return subprocess.Popen(
         command,
