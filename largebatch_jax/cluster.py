@@ -38,11 +38,11 @@ LAYOUTS = (
 
 
 STARTED_BY = {
-    "slurm": "SLURM",
-    "openmpi": "Open MPI",
-    "mpi": "MPI (through mpi4py)",
-    "tpu": "a Cloud TPU slice",
-    "jax": "JAX_COORDINATOR_ADDRESS",
+    "slurm": "started by SLURM",
+    "openmpi": "started by Open MPI",
+    "mpi": "started by MPI (through mpi4py)",
+    "tpu": "on a Cloud TPU slice",
+    "jax": "started with JAX_COORDINATOR_ADDRESS",
 }
 
 
@@ -246,10 +246,9 @@ def initialize_distributed(
 
     if first in (0, None):
         logging.info(
-            "joining a run of %s processes started by %s at %s (waiting up to %d s for all of "
-            "them)%s",
+            "joining a run of %s processes %s at %s (waiting up to %d s for all of them)%s",
             num_processes or (launch.processes if launch else None) or "the cluster's",
-            STARTED_BY[launch.launcher] if launch else "the flags",
+            STARTED_BY[launch.launcher] if launch else "started with --coordinator_address",
             coordinator_address or "the cluster's coordinator",
             initialization_timeout_seconds,
             f"; this process's GPUs: {ids}" if ids else "",

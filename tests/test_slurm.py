@@ -101,7 +101,7 @@ def test_a_task_killed_ends_the_step_in_seconds_with_one_line(
     assert took < 20 and step.returncode == 128 + signal.SIGKILL
     lines = "\n".join(program_lines(stderr))
     (line,) = error_lines(lines)
-    assert line.startswith("error: process 1 of 2 did not answer the preemption notice within 10 s")
+    assert line.startswith("error: process 1 of 2 did not answer the others within 10 s")
     assert "rerun the same command to resume" in line
     assert foreign_lines(lines) == [], stderr[-3000:]
     assert "srun: error: localhost: task 1: Killed" in stderr

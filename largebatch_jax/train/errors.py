@@ -1,5 +1,5 @@
 """The faults a run turns into one line: a non-finite update, Ctrl-C, a full disk, a
-process of the run lost during a preemption."""
+process of the run lost."""
 
 from __future__ import annotations
 
@@ -22,18 +22,19 @@ class RunInterruptedError(Exception):
     The message is one line naming the checkpoints kept."""
 
 
-# The exit code of the processes that stop because others of the run did not answer a
-# preemption notice (sysexits' EX_TEMPFAIL: the checkpoints are good, a rerun resumes).
+# The exit code of the processes that stop because others of the run did not answer
+# (sysexits' EX_TEMPFAIL: the checkpoints are good, a rerun resumes).
 LOST_PROCESS_EXIT = 75
 
 
 def lost_processes(
     silent: list[int], processes: int, seconds: float, kept: list[int], checkpoints: Path
 ) -> str:
-    """The line for processes that did not join the agreement on a preemption step."""
+    """The line for processes that did not join the agreement on a stop step."""
     who = f"process {silent[0]}" if len(silent) == 1 else f"processes {silent}"
     return (
-        f"{who} of {processes} did not answer the preemption notice within {seconds:g} s: "
+        f"{who} of {processes} did not answer the others within {seconds:g} s of a SIGTERM "
+        "or a failed collective: "
         f"{'it has' if len(silent) == 1 else 'they have'} died or lost "
         f"{'its' if len(silent) == 1 else 'their'} host; checkpoints at steps {kept} in "
         f"{checkpoints} are intact; rerun the same command to resume from step "
