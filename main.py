@@ -109,9 +109,10 @@ def main(argv):
         _stop(e, 2)
     if done is not None:  # at once: no backend, no waiting for the other processes
         if _rank() == 0:
-            print(f"{train.result.summary(done)}; results in {workdir}/result.json")
+            print(_done_line(done, workdir), flush=True)
         return
     _start_backend(config, workdir, joined)
+    _compilation_cache(config.compilation_cache, workdir)
     try:
         result = train.train_and_evaluate(config, workdir)
     except (ConfigError, DatasetNotPreparedError, UnreadableImageError, wd.WorkdirError) as e:
@@ -129,7 +130,14 @@ def main(argv):
             flush=True,
         )
     else:
-        print(f"{train.result.summary(result)}; results in {workdir}/result.json", flush=True)
+        print(_done_line(result, workdir), flush=True)
+
+
+def _done_line(result: dict, workdir: Path) -> str:
+    return (
+        f"{train.result.summary(result)}; results in {workdir}/result.json; curves: "
+        f"tensorboard --logdir {workdir}"
+    )
 
 
 def _stop(error: object, code: int) -> NoReturn:
@@ -174,6 +182,17 @@ def _start_backend(config, workdir: Path, joined: "cluster.Joined | None") -> No
     )
     if warning and jax.process_index() == 0:
         print(warning, file=sys.stderr, flush=True)
+
+
+def _compilation_cache(enabled: bool, workdir: Path) -> None:
+    """JAX's persistent compilation cache: where JAX_COMPILATION_CACHE_DIR says, else in
+    WORKDIR/compilation_cache, so that a resumed or requeued run of the same command loads
+    its programs instead of compiling them again (process 0 writes, every process reads);
+    off with config.compilation_cache=False."""
+    if not enabled:
+        jax.config.update("jax_enable_compilation_cache", False)
+    elif not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", str(workdir / "compilation_cache"))
 
 
 def _rank() -> int:

@@ -65,6 +65,12 @@ def parse_args(argv=None):
     p.add_argument("--no_reference", action="store_true")
     p.add_argument("--input", default="synthetic", choices=("synthetic", "real"))
     p.add_argument(
+        "--profile",
+        default=None,
+        help="synthetic: trace 3 steps of ours (the first program) into this folder "
+        "(tensorboard --logdir it, or its perfetto_trace.json.gz in ui.perfetto.dev)",
+    )
+    p.add_argument(
         "--aot_json",
         default=None,
         help="figures of the same configuration compiled without the device "
@@ -88,13 +94,14 @@ with host.plugin_noise_filtered():  # the accelerator plugins' loading banners o
     import numpy as np
 
     from largebatch_jax import parallel
-    from largebatch_jax.aot.targets import gpu, gpu_kind_of
+    from largebatch_jax.aot.targets import accelerator_of
     from largebatch_jax.builder import (
         build_training,
         input_shape,
         known_steps_per_epoch,
     )
     from largebatch_jax.reference import build_reference
+    from largebatch_jax.utilization import memory_in_use, step_flops
 
 # ------------------------------------------------------------------ measurement
 
@@ -113,9 +120,12 @@ def synthetic_batch(global_batch: int, shape: tuple, num_classes: int, pixels: b
 
 
 def compile_and_time(fn, state, batch, steps: int) -> dict:
-    """AOT-compile `fn`, run one warm-up step, then time `steps` steps one by one."""
+    """AOT-compile `fn`, run one warm-up step, then time `steps` steps one by one. FLOPs
+    per device from XLA's cost analysis as the training loop reads them
+    (`utilization.step_flops`); memory as XLA plans it."""
     began = time.perf_counter()
-    compiled = fn.lower(state, batch).compile()
+    lowered = fn.lower(state, batch)
+    compiled = lowered.compile()
     compile_s = time.perf_counter() - began
     state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
@@ -125,13 +135,11 @@ def compile_and_time(fn, state, batch, steps: int) -> dict:
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - began)
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) else cost
-    memory = compiled.memory_analysis()
+    memory = compiled.memory_analysis() if hasattr(compiled, "memory_analysis") else None
     return {
         "compile_s": compile_s,
         "step_s": statistics.median(times),
-        "flops": float(cost.get("flops", 0.0)) if cost else 0.0,
+        "flops": step_flops(lowered, compiled, jax.default_backend()),
         "memory_bytes": (
             memory.argument_size_in_bytes
             + memory.output_size_in_bytes
@@ -141,7 +149,39 @@ def compile_and_time(fn, state, batch, steps: int) -> dict:
             else 0
         ),
         "state": state,
+        "compiled": compiled,
     }
+
+
+def host_fed(m: dict, engine, host_batch: dict, steps: int, profile: str | None) -> None:
+    """The compiled step of `m` fed a host batch copied to the devices every step, as the
+    training loop feeds it: the share of wall time in that copy (the log's input wait,
+    without a loader), and the devices' peak memory in use after it (GPU, TPU). With
+    `profile`, 3 of those steps traced there, annotated as the loop annotates them."""
+    compiled, state = m["compiled"], m["state"]
+    traced = range(1, 4) if profile else range(0)
+    began, copying = time.perf_counter(), 0.0
+    for i in range(steps):
+        if i == traced.start and profile:
+            jax.profiler.start_trace(profile, create_perfetto_trace=True)
+        with jax.profiler.StepTraceAnnotation("train", step_num=i):
+            t = time.perf_counter()
+            batch = engine.shard_batch(host_batch)
+            copying += time.perf_counter() - t
+            state, metrics = compiled(state, batch)
+        if profile and i == traced.stop - 1:
+            jax.block_until_ready(metrics)
+            jax.profiler.stop_trace()
+    jax.block_until_ready(metrics)
+    wall = time.perf_counter() - began
+    m["state"] = state
+    memory = memory_in_use(jax.local_devices())
+    line = f"{'':34s} host-fed: {1000 * wall / steps:8.1f} ms/step, input wait {copying / wall:.0%}"
+    if memory is not None:
+        line += f", peak memory {memory[0] / 2**30:.2f} of {memory[1] / 2**30:.2f} GiB"
+    if profile:
+        line += f"; steps 1-3 traced in {profile}"
+    print(line, flush=True)
 
 
 def load_config(path: str):
@@ -187,11 +227,11 @@ def reference(config, mesh) -> tuple:
     return ref, engine
 
 
-def bf16_peak_flops(device_kind: str) -> float | None:
+def bf16_peak_flops(device) -> float | None:
     """The device's dense bf16 peak FLOP/s (the data sheets' figures of
     `largebatch_jax.aot.targets`), or None where it has none (CPU)."""
-    kind = gpu_kind_of(device_kind)
-    return gpu(kind).peak_bf16_flops if kind else None
+    chip = accelerator_of(device.platform, device.device_kind)
+    return chip.peak_bf16_flops if chip else None
 
 
 def compare_with_aot(path: str, memory_bytes: int) -> None:
@@ -244,7 +284,7 @@ def synthetic(args) -> int:
     d = engine.num_devices
     config = synthetic_config(args, d)
     global_batch = config.batch_size
-    peak = bf16_peak_flops(devices[0].device_kind)
+    peak = bf16_peak_flops(devices[0])
     print(
         f"{config.model} | {d} x {devices[0].device_kind} ({jax.default_backend()}) | "
         f"{args.per_device_batch} images/device, accum {config.accum_steps}, {config.dtype}, "
@@ -267,6 +307,9 @@ def synthetic(args) -> int:
             )
             if args.aot_json and impl == "xla":
                 compare_with_aot(args.aot_json, m["memory_bytes"])
+            if impl == impls[0]:
+                host_fed(m, engine, host_batch, args.steps, args.profile)
+                args.profile = None  # one trace per command
             del m
         if with_reference and config.accum_steps == 1:
             ref, ref_engine = reference(config, engine.mesh)

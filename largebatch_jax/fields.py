@@ -136,6 +136,8 @@ FIELDS: dict[str, Field] = {
     "dataset": Field("imagenet2012", (str,), bool, "a dataset name", MATH),
     "data_dir": Field("", (str,), None, "", HOST),  # "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
     "workers": _count(8, HOST, minimum=0),  # decoding processes per host (0 = threads)
+    # Decoding threads in each of those processes (in the main process when workers=0).
+    "threads": _count(2, HOST),
     # Global; the last batch is padded. Exact evaluation needs a multiple of n images per
     # device: 8192 is 32 per chip on 256 chips.
     "eval_batch_size": _count(8192, REPORTING),
@@ -151,6 +153,15 @@ FIELDS: dict[str, Field] = {
     "result_last_epochs": Field(5.0, (float,), _positive, "> 0", REPORTING),
     # True: skip (and count) an update whose loss, gradient or result is not finite.
     "skip_nonfinite": _flag(False, REPORTING),
+    # A jax.profiler trace of `profile_steps` steps (0: none) into WORKDIR/profile, from the
+    # step after the first `profile_after_steps` of this session (compile and warm-up), on
+    # process 0 ('first') or on every process ('all').
+    "profile_steps": _count(0, REPORTING, minimum=0),
+    "profile_after_steps": _count(10, REPORTING, minimum=0),
+    "profile_processes": _choice("first", ("first", "all"), REPORTING),
+    # JAX's persistent compilation cache in WORKDIR/compilation_cache (or where
+    # JAX_COMPILATION_CACHE_DIR says): a resumed or requeued run loads its programs.
+    "compilation_cache": _flag(True, HOST),
     # Engine.
     "parallelism": _choice("shard_map", parallel.PARALLELISMS, LAYOUT),
     # Batches put on the devices ahead of the step, from a background thread (0: none).

@@ -44,6 +44,9 @@ class JsonlWriter:
                     f.truncate(size)
                 raise
 
+    def write_summary(self, step: int, summary: Any) -> None:
+        pass  # TensorBoard's alone (the config's text, the hyper-parameters)
+
     def flush(self) -> None:
         pass  # every line is written (and closed) when it is made
 
@@ -80,6 +83,12 @@ class TensorBoardWriter:
             )
         )
 
+    def write_summary(self, step: int, summary: Any) -> None:
+        """A prepared Summary proto (`run_summaries`)."""
+        from tensorboard.compat.proto import event_pb2
+
+        self._write(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+
     def flush(self) -> None:
         self._records.flush()
 
@@ -98,6 +107,10 @@ class Writers:
         for w in self.writers:
             w.write_scalars(step, scalars)
 
+    def write_summary(self, step: int, summary: Any) -> None:
+        for w in self.writers:
+            w.write_summary(step, summary)
+
     def flush(self) -> None:
         for w in self.writers:
             w.flush()
@@ -114,6 +127,17 @@ def create_writer(workdir: str | Path, is_main: bool = True) -> Writers:
     if not is_main:
         return Writers([])
     return Writers([TensorBoardWriter(workdir), JsonlWriter(Path(workdir) / "metrics.jsonl")])
+
+
+def run_summaries(config_json: str, hparams: Mapping[str, Any]) -> list:
+    """TensorBoard summaries of a run: its config as text (the Text tab) and its key
+    hyper-parameters (the HParams tab; its metrics are the run's scalars). Made with
+    tensorboard's own summary functions, which need no TensorFlow for these."""
+    from tensorboard.plugins.hparams import summary_v2 as hparams_summary
+    from tensorboard.plugins.text import summary_v2 as text_summary
+
+    text = "```\n" + config_json + "\n```"  # the Text tab renders markdown
+    return [text_summary.text_pb("config", text), hparams_summary.hparams_pb(dict(hparams))]
 
 
 def repair_torn_tail(path: Path) -> None:
@@ -209,15 +233,26 @@ class TrainClock:
         """Wall seconds since this session started (start-up, compiles, evals and all)."""
         return self._timer() - self._started_at
 
-    def progress(self, step: int, images_per_step: int) -> tuple[float, float]:
-        """(images/s, ETA seconds) over the training time since the last call."""
+    def interval(self, step: int) -> tuple[int, float]:
+        """(steps, training seconds) since the last call (or since `start_step`)."""
         now = self.session_seconds()
         last_step, last_seconds = self._last
         self._last = (step, now)
-        steps, elapsed = step - last_step, now - last_seconds
-        if steps <= 0 or elapsed <= 0:
-            return 0.0, math.inf
-        return steps * images_per_step / elapsed, elapsed / steps * (self.total_steps - step)
+        return step - last_step, now - last_seconds
+
+    def progress(self, step: int, images_per_step: int) -> tuple[float, float]:
+        """(images/s, ETA seconds) over the training time since the last call."""
+        steps, elapsed = self.interval(step)
+        return rate_and_eta(steps, elapsed, images_per_step, self.total_steps - step)
+
+
+def rate_and_eta(
+    steps: int, seconds: float, images_per_step: int, left: int
+) -> tuple[float, float]:
+    """(images/s, seconds for the `left` steps at that pace) of `steps` steps in `seconds`."""
+    if steps <= 0 or seconds <= 0:
+        return 0.0, math.inf
+    return steps * images_per_step / seconds, seconds / steps * left
 
 
 def format_eta(seconds: float) -> str:
@@ -229,9 +264,15 @@ def format_eta(seconds: float) -> str:
 
 
 # Libraries whose INFO records say nothing about the run: orbax logs several per
-# checkpoint save, tfds two per dataset load, JAX's distributed start two per process.
+# checkpoint save, tfds two per dataset load, JAX's distributed start two per process,
+# JAX's profiler two per trace.
 # Their warnings and errors stay.
-_QUIET_PACKAGES = ("/orbax/", "/tensorflow_datasets/", "/jax/_src/distributed.py")
+_QUIET_PACKAGES = (
+    "/orbax/",
+    "/tensorflow_datasets/",
+    "/jax/_src/distributed.py",
+    "/jax/_src/profiler.py",  # two lines per trace written (the project names the trace)
+)
 
 
 # Their warnings that say nothing to the user either: tfds scanning a data_dir (a dataset

@@ -124,7 +124,8 @@ class DataParallel:
         """This process's contiguous share of the global batch -> one global array.
 
         `local_batch` leaves are [local_devices * per_device, ...] in device order. The
-        pmap path gets a leading device axis, [devices, per_device, ...].
+        pmap path gets a leading device axis, [devices, per_device, ...]. Annotated
+        `host_to_device` in a profile.
         """
 
         def put(x):
@@ -134,7 +135,8 @@ class DataParallel:
             global_shape = (x.shape[0] * self.num_devices // self.num_local_devices, *x.shape[1:])
             return jax.make_array_from_process_local_data(self.sharded, x, global_shape)
 
-        return jax.tree.map(put, local_batch)
+        with jax.profiler.TraceAnnotation("host_to_device"):
+            return jax.tree.map(put, local_batch)
 
     def prefetch(self, local_batches: Iterator[Any], size: int = 2) -> Iterator[Any]:
         """`shard_batch` of the next `size` batches in a background thread, so that the

@@ -2,6 +2,9 @@
 # On a machine with one NVIDIA GPU: ResNet-50 train-step throughput, ours and the
 # Flax-example-style reference, float32 and bfloat16, at 128 and 256 images per device:
 # images/s, achieved TFLOP/s and MFU against the GPU's bf16 peak (benchmark.py's table),
+# ours also fed a host batch every step as the training loop feeds it (the log's input
+# wait and the GPU's peak memory in use; the first configuration's steps 1-3 traced into
+# a profile, whose files are listed at the end),
 # and beside ours the memory per device that the deviceless compile of the same
 # configuration predicts (python -m largebatch_jax.aot, run here with JAX_PLATFORMS=cpu
 # for this GPU's description): the hardware checks the compiler's figures.
@@ -80,8 +83,12 @@ for batch in $BATCHES; do
     else
       echo "(the deviceless compile failed: $(tail -n 1 "$work/aot.log"))"
     fi
+    profile=()
+    if [[ ! -d "$work/profile" ]]; then profile=(--profile="$work/profile"); fi
     "$PYTHON" -m experiments.benchmark --model=resnet50 "${devices[@]}" \
       --per_device_batch="$batch" --dtype="$dtype" --conv_impl=xla --steps="$STEPS" --repeats=1 \
-      "${compare[@]}"
+      "${compare[@]}" "${profile[@]}"
   done
 done
+echo "profile (tensorboard --logdir $work/profile, or perfetto_trace.json.gz in ui.perfetto.dev):"
+find "$work/profile" -type f -printf '  %p %s bytes\n' 2>/dev/null || echo "  (none written)"

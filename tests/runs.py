@@ -163,7 +163,11 @@ def error_lines(stderr: str) -> list[str]:
 
 
 def without_timing(rows):
-    return [{k: v for k, v in r.items() if k != "images_per_sec"} for r in rows]
+    """metrics.jsonl rows without the figures that time the run (they differ from run to
+    run; every other value is the same bits)."""
+    from largebatch_jax.train.reporting import TIMING_SCALARS
+
+    return [{k: v for k, v in r.items() if k not in TIMING_SCALARS} for r in rows]
 
 
 def final_state(workdir, step=None):

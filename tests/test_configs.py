@@ -111,7 +111,7 @@ def test_the_field_table_is_the_one_list_the_others_derive_from():
     roles = {f.role for f in table.values()}
     assert roles == {fields.MATH, fields.LAYOUT, fields.REPORTING, fields.HOST}
     assert set(run_record.MAY_CHANGE) == {k for k, f in table.items() if f.role != fields.MATH}
-    assert set(fields.HOST_LOCAL) == {"data_dir", "workers"}
+    assert set(fields.HOST_LOCAL) == {"data_dir", "workers", "threads", "compilation_cache"}
     assert run_record.BEFORE_FIELD == {"reduction": "fast", "lr_multiplier": 1.0}
     for name, before in run_record.BEFORE_FIELD.items():
         assert table[name].role == fields.MATH and validate.RULES[name][1](before)

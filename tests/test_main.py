@@ -43,6 +43,9 @@ TRAIN_KEYS = {
     "grad_norm",
     "param_norm",
     "images_per_sec",
+    "images_per_sec_per_device",
+    "step_ms",
+    "input_wait",
 }
 EVAL_KEYS = {"step", "epoch", "val_error_top1", "val_error_top5", "val_loss"}
 

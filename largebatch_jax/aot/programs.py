@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from largebatch_jax import builder, grouped, parallel
 from largebatch_jax.aot import hlo
 from largebatch_jax.aot.targets import Accelerator, Target
+from largebatch_jax.utilization import counts_every_micro_step, hlo_cost, program_flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,27 +69,14 @@ COST_SOURCES = {
 }
 
 
-def _hlo_cost(module: Any) -> dict[str, float]:
-    """XLA's HLO cost analysis of an HloModule, run by the CPU client (it analyses any
-    backend's HLO; the GPU compiler itself returns none)."""
-    from jax.extend.backend import get_backend
-
-    try:
-        from jax._src.lib import _jax  # the analysis has no public entry point
-
-        return dict(_jax.hlo_module_cost_analysis(get_backend("cpu"), module))
-    except (ImportError, AttributeError):  # another jax: no FLOPs or bytes, the rest stays
-        return {}
-
-
 def _gpu_cost(lowered: Any, compiled: Any, text: str) -> tuple[float, float]:
     """FLOPs and bytes accessed of a compiled GPU program (see COST_SOURCES['cuda'])."""
-    flops = _hlo_cost(lowered.compiler_ir("hlo").as_hlo_module()).get("flops", 0.0)
+    flops = program_flops(lowered, compiled, "cuda")
     try:
         module = compiled.runtime_executable().hlo_modules()[0]
     except AttributeError:  # another jax: no bytes
         return float(flops), 0.0
-    accessed = _hlo_cost(module).get("bytes accessed", 0.0)
+    accessed = hlo_cost(module).get("bytes accessed", 0.0)
     if not accessed:
         return float(flops), 0.0
     program = hlo.parse(text)
@@ -112,7 +100,8 @@ def analyse(lowered: Any, platform: str, options: dict[str, Any] | None = None) 
     if platform == "tpu":
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list | tuple) else cost
-        flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+        flops = program_flops(lowered, compiled, platform)
+        accessed = float(cost.get("bytes accessed", 0.0))
     else:
         flops, accessed = _gpu_cost(lowered, compiled, text)
     return Compiled(
@@ -226,10 +215,10 @@ def compile_ours(config: Any, where: Site, steps_per_epoch: int) -> dict:
     (memory and collectives of that program; its FLOPs and bytes from `unrolled_cost`
     where it loops over micro-steps)."""
     training, train = _train_program(config, where, steps_per_epoch)
-    looped = (
-        config.accum_steps > 1
-        and config.reduction != "exact"
-        and (parallel.resolve_accum_loop(config.accum_loop, where.platform) == "scan")
+    looped = not counts_every_micro_step(
+        config.reduction,
+        config.accum_steps,
+        parallel.resolve_accum_loop(config.accum_loop, where.platform),
     )
     if looped:
         flops, accessed = unrolled_cost(config, where, steps_per_epoch)

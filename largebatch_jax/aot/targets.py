@@ -76,6 +76,22 @@ def gpu_kind_of(device_kind: str) -> str | None:
     return None
 
 
+def accelerator_of(platform: str, device_kind: str) -> Accelerator | None:
+    """The published figures of a live JAX device ('gpu' 'NVIDIA H100 80GB HBM3', 'tpu'
+    'TPU v5 lite'), or None where there are none here (CPU, another chip)."""
+    if platform in ("gpu", "cuda"):
+        kind = gpu_kind_of(device_kind)
+        return gpu(kind) if kind else None
+    if platform != "tpu":
+        return None
+    name = device_kind.lower()
+    if "lite" in name or "v5e" in name:
+        return CHIPS["v5e"]
+    if "v5" in name:  # 'TPU v5p', 'TPU v5'
+        return CHIPS["v5p"]
+    return CHIPS["v4"] if "v4" in name else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Slice:
     """A Cloud TPU slice: a torus of chips."""

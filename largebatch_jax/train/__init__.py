@@ -9,14 +9,16 @@ What advances from step to step is passed explicitly: the TrainState, and the ho
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from absl import logging
 
-from largebatch_jax.metrics import TrainClock, create_writer
+from largebatch_jax.metrics import TrainClock, create_writer, run_summaries
 from largebatch_jax.train.errors import NonFiniteLossError, RunInterruptedError, one_line_error
 from largebatch_jax.train.loop import run_steps
+from largebatch_jax.train.reporting import key_hyperparameters
 from largebatch_jax.train.result import RESULT, finish, finished_result, paper_metric
 from largebatch_jax.train.setup import build, load_data
 from largebatch_jax.train.teardown import Closer
@@ -51,6 +53,10 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
         )
         writer = create_writer(run.workdir, run.is_main)
         closer.parts.append(("metric writers", writer.close))
+        if run.is_main:
+            config_json = json.dumps(config.to_dict(), indent=2, default=str)
+            for summary in run_summaries(config_json, key_hyperparameters(config)):
+                writer.write_summary(progress.step, summary)
         state, preempted = run_steps(run, state, progress, writer, clock)
         closer.close()
         if preempted is not None:

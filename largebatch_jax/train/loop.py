@@ -8,18 +8,20 @@ import dataclasses
 import functools
 import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import jax
 from absl import logging
 
-from largebatch_jax import lock, schedules
+from largebatch_jax import lock, parallel, schedules
 from largebatch_jax.metrics import TrainClock
 from largebatch_jax.train.errors import LOST_PROCESS_EXIT, first_line, lost_processes
+from largebatch_jax.train.feed import InputFeed
+from largebatch_jax.train.profile import StepProfile
 from largebatch_jax.train.reporting import MetricLog, evaluate_and_log
 from largebatch_jax.train.signals import AGREEMENT_SECONDS, DeferredInterrupt, Preemption
 from largebatch_jax.train.state import Progress, Run
+from largebatch_jax.utilization import Hardware, counts_every_micro_step, step_flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,27 +63,55 @@ class Triggers:
         return Due(log or evaluate or checkpoint, epoch_end, evaluate, checkpoint)
 
 
-def device_batches(run: Run) -> Iterator[tuple[Any, dict]]:
-    """(global batch on the devices, the loader's position after it), in step order."""
-
-    def local_batches():
-        for batch in run.train_loader:
-            del batch["index"]  # record ids: for tests and debugging, not for the devices
-            yield batch, run.train_loader.get_state()
-
-    if run.config.prefetch_batches:
-        return run.engine.prefetch(local_batches(), run.config.prefetch_batches)
-    return ((run.engine.shard_batch(b), s) for b, s in local_batches())
-
-
-def compile_train_step(run: Run, clock: TrainClock, state: Any, batch: Any):
-    """The train step compiled for this state and batch; its time is reported on its own
-    and is not training time."""
+def compile_train_step(run: Run, clock: TrainClock, state: Any, batch: Any) -> tuple:
+    """The train step compiled for this state and batch (its time is reported on its own
+    and is not training time), and what a log point compares it with (`Hardware`)."""
     with clock.paused("compile"):
-        compiled = run.training.train_step.lower(state, batch).compile()
+        lowered = run.training.train_step.lower(state, batch)
+        compiled = lowered.compile()
+    c, platform = run.config, jax.default_backend()
+    counted = counts_every_micro_step(
+        c.reduction, c.accum_steps, parallel.resolve_accum_loop(c.accum_loop, platform)
+    )
+
+    def flops() -> float | None:
+        return step_flops(lowered, compiled, platform) if counted else None
+
+    hardware = Hardware.of(jax.local_devices(), flops)
     if run.is_main:
-        logging.info("compiled the train step in %.1f s", clock.paused_seconds["compile"])
-    return compiled
+        logging.info(
+            "compiled the train step in %.1f s%s",
+            clock.paused_seconds["compile"],
+            describe_hardware(hardware, counted),
+        )
+    return compiled, hardware
+
+
+def describe_hardware(hardware: Hardware, counted: bool) -> str:
+    if hardware.chip is None:
+        return ""  # CPU: no peak to compare with
+    if hardware.flops_per_step is None:
+        return (
+            f"; {hardware.chip.name}: no MFU (XLA counts the lax.scan over the micro-steps "
+            "once; accum_loop='unroll' or reduction='exact' count them all)"
+        )
+    return (
+        f"; {hardware.flops_per_step / 1e9:,.1f} GFLOP per device per step, against "
+        f"{hardware.chip.name}'s dense bf16 peak of {hardware.chip.peak_bf16_flops / 1e12:.0f} "
+        "TFLOP/s"
+    )
+
+
+def no_host_sync() -> Any:
+    """Between log points the loop fetches nothing from the devices: on GPU and TPU any
+    device-to-host transfer there raises (JAX's transfer guard; on CPU devices the
+    arrays are on the host and JAX guards nothing). Log points, evaluations and
+    checkpoints lift it (`host_sync`)."""
+    return jax.transfer_guard_device_to_host("disallow_explicit")
+
+
+def host_sync() -> Any:
+    return jax.transfer_guard_device_to_host("allow")
 
 
 def save(
@@ -92,7 +122,7 @@ def save(
     interrupts: DeferredInterrupt,
     step: int,
 ) -> None:
-    with clock.paused("checkpoint"), interrupts.deferred():
+    with clock.paused("checkpoint"), interrupts.deferred(), host_sync():
         progress.step = step
         progress.train_seconds = clock.total_seconds()
         run.checkpointer.save(step, state, progress.to_json())
@@ -142,33 +172,53 @@ def _steps(
     preemption: Preemption,
     interrupts: DeferredInterrupt,
 ) -> tuple[Any, int | None]:
-    stop_on_nonfinite = not run.config.skip_nonfinite  # the NaN policy
-    triggers = Triggers.of(run.config, run.data.steps_per_epoch, run.total_steps)
-    log = MetricLog(run, progress, writer, clock)
-    batches = device_batches(run)
+    c = run.config
+    stop_on_nonfinite = not c.skip_nonfinite  # the NaN policy
+    triggers = Triggers.of(c, run.data.steps_per_epoch, run.total_steps)
+    feed = InputFeed(run.train_loader, run.engine, c.prefetch_batches)
+    log = MetricLog(run, progress, writer, clock, feed)
+    profile = StepProfile.of(
+        run.workdir,
+        c.profile_steps,
+        c.profile_after_steps,
+        c.profile_processes,
+        progress.step,
+        jax.process_index(),
+        jax.process_count(),
+    )
     step_fn = None
     if progress.step == 0:
         save(run, state, progress, clock, interrupts, 0)  # a state to fall back to
     clock.start()
-    for step in range(progress.step + 1, run.total_steps + 1):
-        if preemption.reached(step - 1):
-            # Every row of step - 1 is written: count its steps into the checkpoint.
-            log.flush(step - 1, stop_on_nonfinite, write=False)
-            save(run, state, progress, clock, interrupts, step - 1)
-            return state, step - 1
-        batch, progress.data = next(batches)
-        if step_fn is None:
-            step_fn = compile_train_step(run, clock, state, batch)
-        state, metrics = step_fn(state, batch)
-        log.add(step, metrics)
-        due = triggers.at(step)
-        if due.report:
-            log.flush(step, stop_on_nonfinite)
-        if due.epoch_end:
-            log.end_epoch(step)
-        if due.evaluate:
-            evaluate_and_log(run, state, writer, clock, step)
-        if due.checkpoint:
-            save(run, state, progress, clock, interrupts, step)
+    try:
+        with no_host_sync():
+            for step in range(progress.step + 1, run.total_steps + 1):
+                if preemption.reached(step - 1):
+                    # Every row of step - 1 is written: count its steps into the checkpoint.
+                    with host_sync():
+                        log.flush(step - 1, stop_on_nonfinite, write=False)
+                    save(run, state, progress, clock, interrupts, step - 1)
+                    return state, step - 1
+                profile.before(step)
+                with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                    batch, progress.data = next(feed)
+                    if step_fn is None:
+                        step_fn, log.hardware = compile_train_step(run, clock, state, batch)
+                    state, metrics = step_fn(state, batch)
+                    log.add(step, metrics)
+                profile.after(step, state, clock)
+                due = triggers.at(step)
+                if due.report:
+                    with host_sync():
+                        log.flush(step, stop_on_nonfinite)
+                if due.epoch_end:
+                    log.end_epoch(step)
+                if due.evaluate:
+                    with host_sync():
+                        evaluate_and_log(run, state, writer, clock, step)
+                if due.checkpoint:
+                    save(run, state, progress, clock, interrupts, step)
+    finally:
+        profile.stop()
     clock.stop()
     return state, None

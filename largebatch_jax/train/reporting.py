@@ -8,22 +8,56 @@ from typing import Any
 import jax
 from absl import logging
 
+from largebatch_jax import schedules
 from largebatch_jax.data import loader
-from largebatch_jax.metrics import TrainClock, format_eta
+from largebatch_jax.metrics import TrainClock, format_eta, rate_and_eta
 from largebatch_jax.train.errors import NonFiniteLossError
+from largebatch_jax.train.feed import InputFeed
 from largebatch_jax.train.state import Progress, Run
+from largebatch_jax.utilization import Hardware
 
 TRAIN_SCALARS = ("train_loss", "train_error", "learning_rate", "grad_norm", "param_norm")
+
+
+# The figures of each log point that time the run rather than train it: they differ
+# from run to run and layout to layout, every other scalar is the same bits.
+TIMING_SCALARS = (
+    "images_per_sec",
+    "images_per_sec_per_device",
+    "step_ms",
+    "input_wait",
+    "tflops_per_device",
+    "mfu",
+    "peak_memory_gib",
+    "memory_limit_gib",
+)
+
+# The share of a log interval's training time spent waiting for the input above which
+# the log says once what to change (the first interval of a session, which starts the
+# loader's workers, is not judged).
+INPUT_WAIT_WARNING = 0.5
 
 
 class MetricLog:
     """The training metrics of the steps since the last log point, left on the devices.
     `flush` fetches them all in one host sync (the loop's only one outside evaluation),
-    counts each finite update into `progress`'s epoch sums and writes a row."""
+    counts each finite update into `progress`'s epoch sums and writes a row, with the
+    interval's step time, input wait and, on GPU and TPU, TFLOP/s, MFU and memory."""
 
-    def __init__(self, run: Run, progress: Progress, writer: Any, clock: TrainClock):
+    def __init__(
+        self,
+        run: Run,
+        progress: Progress,
+        writer: Any,
+        clock: TrainClock,
+        feed: InputFeed,
+        hardware: Hardware | None = None,
+    ):
         self.run, self.progress, self.writer, self.clock = run, progress, writer, clock
+        self.feed, self.hardware = feed, hardware
         self.pending: list[tuple[int, dict]] = []
+        self._intervals = 0
+        self._warned = False
 
     def add(self, step: int, metrics: dict) -> None:
         self.pending.append((step, metrics))
@@ -67,17 +101,17 @@ class MetricLog:
 
     def _write(self, step: int, last: dict) -> None:
         run = self.run
-        images_per_sec, eta = self.clock.progress(step, run.config.batch_size)
+        timing, eta = self._timing(step)
         scalars = {
             "epoch": step / run.data.steps_per_epoch,
             **{k: last[k] for k in TRAIN_SCALARS},
-            "images_per_sec": images_per_sec,
             "skipped_steps": self.progress.skipped,
+            **timing,
         }
         self.writer.write_scalars(step, scalars)
         if run.is_main:  # every scalar is in metrics.jsonl and TensorBoard
             logging.info(
-                "step %d/%d epoch %.2f | loss %.4g error %.4f lr %.4g | %.0f img/s | ETA %s "
+                "step %d/%d epoch %.2f | loss %.4g error %.4f lr %.4g | %s | ETA %s "
                 "(training time only)",
                 step,
                 run.total_steps,
@@ -85,9 +119,55 @@ class MetricLog:
                 last["train_loss"],
                 last["train_error"],
                 last["learning_rate"],
-                images_per_sec,
+                describe_timing(timing),
                 format_eta(eta),
             )
+
+    def _timing(self, step: int) -> tuple[dict[str, float], float]:
+        """The interval's timing scalars (TIMING_SCALARS), and the ETA at its pace."""
+        run = self.run
+        steps, seconds = self.clock.interval(step)
+        waited, fed = self.feed.take_wait()
+        rate, eta = rate_and_eta(steps, seconds, run.config.batch_size, run.total_steps - step)
+        timing = {
+            "images_per_sec": rate,
+            "images_per_sec_per_device": rate / run.engine.num_devices,
+            "step_ms": 1000 * seconds / steps if steps > 0 else 0.0,
+            "input_wait": min(1.0, waited / seconds) if seconds > 0 else 0.0,
+        }
+        hw = self.hardware
+        use = hw.tflops_and_mfu(steps, seconds) if hw is not None else None
+        if use is not None:
+            timing["tflops_per_device"], timing["mfu"] = use
+        memory = hw.memory() if hw is not None else None
+        if memory is not None:
+            timing["peak_memory_gib"] = memory[0] / 2**30
+            timing["memory_limit_gib"] = memory[1] / 2**30
+        self._intervals += 1
+        if self._intervals > 1 and not self._warned and run.is_main:
+            self._warn_if_input_bound(step, steps, timing["input_wait"], waited, fed)
+        return timing, eta
+
+    def _warn_if_input_bound(
+        self, step: int, steps: int, share: float, waited: float, fed: int
+    ) -> None:
+        if share <= INPUT_WAIT_WARNING or waited <= 0:
+            return
+        self._warned = True
+        c, local = self.run.config, self.run.train_loader.local_batch
+        logging.warning(
+            "step %d: the loop waited for its input %.0f%% of the last %d steps' training "
+            "time; this host's input delivered %.0f images/s (%d per step): raise "
+            "config.workers (now %d decoding processes) or config.threads (now %d per "
+            "process), or give this host more cores",
+            step,
+            100 * share,
+            steps,
+            fed * local / waited,
+            local,
+            c.workers,
+            c.threads,
+        )
 
     def end_epoch(self, step: int) -> None:
         """The epoch's mean training error and loss, over its finite updates."""
@@ -104,6 +184,47 @@ class MetricLog:
             )
 
 
+def key_hyperparameters(config: Any) -> dict[str, Any]:
+    """The run's key hyper-parameters in the paper's vocabulary (TensorBoard's HParams
+    tab): kn, n, k, the peak rate eta, the warmup, the reduction and the dtype, and what
+    tells runs apart besides."""
+    c = config
+    return {
+        "kn": c.batch_size,
+        "n": c.bn_group_size,
+        "k": c.batch_size // c.bn_group_size,
+        "peak_lr": schedules.peak_learning_rate(
+            c.base_lr, c.base_batch_size, c.batch_size, c.lr_scaling, c.lr_multiplier
+        ),
+        "warmup": c.warmup,
+        "warmup_epochs": float(c.warmup_epochs),
+        "reduction": c.reduction,
+        "dtype": c.dtype,
+        "model": c.model,
+        "dataset": c.dataset,
+        "optimizer": c.optimizer,
+        "lr_scaling": c.lr_scaling,
+        "num_epochs": float(c.num_epochs),
+        "seed": c.seed,
+    }
+
+
+def describe_timing(timing: dict[str, float]) -> str:
+    """The timing scalars of a log line: what the run's platform measures, nothing else."""
+    t = timing
+    parts = [
+        f"{t['images_per_sec']:.0f} img/s ({t['images_per_sec_per_device']:.0f} per device), "
+        f"{t['step_ms']:.1f} ms/step, input wait {100 * t['input_wait']:.0f}%"
+    ]
+    if "mfu" in t:
+        parts.append(f"{t['tflops_per_device']:.1f} TFLOP/s per device, MFU {100 * t['mfu']:.1f}%")
+    if "peak_memory_gib" in timing:
+        parts.append(
+            f"memory {timing['peak_memory_gib']:.1f} of {timing['memory_limit_gib']:.1f} GiB"
+        )
+    return ", ".join(parts)
+
+
 def evaluate(run: Run, state: Any) -> dict:
     """Every validation image once (padded, masked); returns error rates and loss."""
     totals: dict[str, float] = {}
@@ -114,6 +235,7 @@ def evaluate(run: Run, state: Any) -> dict:
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         workers=run.config.workers,
+        threads=run.config.threads,
     )
     try:
         for batch in batches:

@@ -98,6 +98,7 @@ def _train_loader(
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         workers=config.workers,
+        threads=config.threads,
     )
     if progress.data is not None:
         try:
