@@ -135,41 +135,52 @@ def compile_and_time(fn, state, batch, steps: int) -> dict:
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - began)
-    memory = compiled.memory_analysis() if hasattr(compiled, "memory_analysis") else None
     return {
         "compile_s": compile_s,
         "step_s": statistics.median(times),
         "flops": step_flops(lowered, compiled, jax.default_backend()),
-        "memory_bytes": (
-            memory.argument_size_in_bytes
-            + memory.output_size_in_bytes
-            + memory.temp_size_in_bytes
-            - memory.alias_size_in_bytes
-            if memory is not None
-            else 0
-        ),
+        "memory_bytes": planned_memory(compiled),
         "state": state,
         "compiled": compiled,
     }
+
+
+def planned_memory(compiled) -> int:
+    """XLA's plan of a program's memory per device (arguments, outputs not aliased to a
+    donated argument, temporaries); for the exact mode's chain, its largest program's (a
+    lower bound: `largebatch_jax.aot` adds what the caller holds between programs)."""
+    programs = getattr(compiled, "programs", None)
+    if programs is not None:
+        return max(planned_memory(p.program) for p in programs)
+    memory = compiled.memory_analysis()
+    if memory is None:
+        return 0
+    return (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        + memory.temp_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
 
 
 def host_fed(m: dict, engine, host_batch: dict, steps: int, profile: str | None) -> None:
     """The compiled step of `m` fed a host batch copied to the devices every step, as the
     training loop feeds it: the share of wall time in that copy (the log's input wait,
     without a loader), and the devices' peak memory in use after it (GPU, TPU). With
-    `profile`, 3 of those steps traced there, annotated as the loop annotates them."""
+    `profile`, the first 3 of those steps traced there, annotated as the loop annotates
+    them."""
     compiled, state = m["compiled"], m["state"]
-    traced = range(1, 4) if profile else range(0)
+    traced = min(3, steps) if profile else 0
     began, copying = time.perf_counter(), 0.0
     for i in range(steps):
-        if i == traced.start and profile:
+        if i == 0 and traced:
             jax.profiler.start_trace(profile, create_perfetto_trace=True)
         with jax.profiler.StepTraceAnnotation("train", step_num=i):
             t = time.perf_counter()
             batch = engine.shard_batch(host_batch)
             copying += time.perf_counter() - t
             state, metrics = compiled(state, batch)
-        if profile and i == traced.stop - 1:
+        if traced and i == traced - 1:
             jax.block_until_ready(metrics)
             jax.profiler.stop_trace()
     jax.block_until_ready(metrics)
@@ -180,7 +191,7 @@ def host_fed(m: dict, engine, host_batch: dict, steps: int, profile: str | None)
     if memory is not None:
         line += f", peak memory {memory[0] / 2**30:.2f} of {memory[1] / 2**30:.2f} GiB"
     if profile:
-        line += f"; steps 1-3 traced in {profile}"
+        line += f"; its first {traced} steps traced in {profile}"
     print(line, flush=True)
 
 

@@ -52,6 +52,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="trace_viewer.png")
     p.add_argument("--width", type=int, default=1600)
     p.add_argument("--height", type=int, default=1000)
+    p.add_argument("--find", default="", help="search the trace for this (e.g. train)")
     args = p.parse_args(argv)
 
     tensorboard, base = tensorboard_server.start(args.workdir)
@@ -103,6 +104,30 @@ def main(argv=None) -> None:
                     "Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1
                 )
         time.sleep(5)
+        if args.find:  # the viewer's own search: it selects the first match, in view
+            box = json.loads(
+                tools.evaluate(
+                    "JSON.stringify(document.querySelector('tr-ui-find-control input')"
+                    " .getBoundingClientRect())"
+                )
+                or "null"
+            )
+            if box:
+                x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+                for kind in ("mousePressed", "mouseReleased"):
+                    tools.call(
+                        "Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1
+                    )
+                tools.call("Input.insertText", text=args.find)
+                for kind in ("keyDown", "keyUp"):
+                    tools.call(
+                        "Input.dispatchKeyEvent",
+                        type=kind,
+                        key="Enter",
+                        code="Enter",
+                        windowsVirtualKeyCode=13,
+                    )
+                time.sleep(3)
         shot = tools.call("Page.captureScreenshot", format="png")
         Path(args.out).write_bytes(base64.b64decode(shot["data"]))
         print(
