@@ -58,6 +58,7 @@ class MetricLog:
         self.pending: list[tuple[int, dict]] = []
         self._intervals = 0
         self._warned = False
+        self._input_bound: tuple | None = None  # the interval to judge, once it is logged
 
     def add(self, step: int, metrics: dict) -> None:
         self.pending.append((step, metrics))
@@ -122,6 +123,9 @@ class MetricLog:
                 describe_timing(timing),
                 format_eta(eta),
             )
+        if self._input_bound is not None:  # after the line it is about
+            self._warn_if_input_bound(*self._input_bound)
+            self._input_bound = None
 
     def _timing(self, step: int) -> tuple[dict[str, float], float]:
         """The interval's timing scalars (TIMING_SCALARS), and the ETA at its pace."""
@@ -145,7 +149,7 @@ class MetricLog:
             timing["memory_limit_gib"] = memory[1] / 2**30
         self._intervals += 1
         if self._intervals > 1 and not self._warned and run.is_main:
-            self._warn_if_input_bound(step, steps, timing["input_wait"], waited, fed)
+            self._input_bound = (step, steps, timing["input_wait"], waited, fed)
         return timing, eta
 
     def _warn_if_input_bound(
