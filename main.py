@@ -21,23 +21,40 @@ from typing import NoReturn
 
 
 def _stopped_outside_the_loop(signum, frame):
-    """SIGTERM before the first step or after the last (the loop handles its own): no
+    """SIGTERM or SIGHUP before the first step or after the last (the loop handles its own): no
     step is lost, so one line and exit 0, as for a preemption inside the loop. The
     process exits at once, its workdir lock released: an exception raised here can land
     in code that swallows it (a __del__) and the run would go on."""
-    del signum, frame
+    del frame
     from largebatch_jax import lock
 
     print(
-        "preempted (SIGTERM) before the first step or after the last: nothing is lost; "
-        "rerun the same command to go on",
+        f"preempted ({signal.Signals(signum).name}) before the first step or after the last: "
+        "nothing is lost; rerun the same command to go on",
         flush=True,
     )
     lock.release_held()
     os._exit(0)
 
 
+def _interrupted_outside_the_loop(signum, frame):
+    """Ctrl-C before the first step or after the last (the loop defers its own to the end
+    of the step): one line and exit 130, instead of a traceback from wherever start-up
+    was (an import, the data, a compile)."""
+    del signum, frame
+    from largebatch_jax import host, lock
+
+    host.write_stderr(
+        "interrupted (SIGINT) before the first step or after the last: nothing is lost; "
+        "rerun the same command to go on\n"
+    )
+    lock.release_held()
+    os._exit(130)
+
+
 signal.signal(signal.SIGTERM, _stopped_outside_the_loop)
+signal.signal(signal.SIGHUP, _stopped_outside_the_loop)
+signal.signal(signal.SIGINT, _interrupted_outside_the_loop)
 
 from largebatch_jax import host  # noqa: E402
 
@@ -55,7 +72,7 @@ with host.plugin_noise_filtered():
     from largebatch_jax.data.loader import UnreadableImageError
     from largebatch_jax.data.sources import DatasetNotPreparedError
     from largebatch_jax.metrics import filter_library_logs
-    from largebatch_jax.validate import ConfigError
+    from largebatch_jax.validate import ConfigError, check_known_fields, unknown_field
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and results.")
@@ -79,19 +96,26 @@ _CLUSTER = flags.DEFINE_enum(
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0, where JAX cannot detect the cluster."
 )
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.", lower_bound=1)
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.", lower_bound=0)
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout_seconds",
     60,
     "A process silent this long is declared dead and the others stop with an error.",
+    lower_bound=1,
 )
 _JOIN_TIMEOUT = flags.DEFINE_integer(
     "initialization_timeout_seconds",
     300,
     "How long the processes wait for each other to start before they stop with an error.",
+    lower_bound=1,
 )
 flags.mark_flags_as_required(["config", "workdir"])
+flags.register_validator(
+    "coordinator_address",
+    lambda address: address is None or cluster.valid_address(address),
+    "must be HOST:PORT with a port from 1 to 65535, e.g. node001:1234",
+)
 
 
 def main(argv):
@@ -226,15 +250,12 @@ def config_error(error: BaseException, argv: list[str]) -> str:
     text = str(error).strip().strip("'\"").replace("\\n", "\n")
     # ml_collections words it either way, by version and code path.
     typo = re.search(r"'(\w+)'.*?Did you mean \"(\w+)\"", text, re.S)
-    field, near = (typo[1], typo[2]) if typo else (None, None)
+    field = typo[1] if typo else None
     if typo is None:
         typo = re.search(r"Did you mean \"(\w+)\" instead of \"(\w+)\"", text)
-        field, near = (typo[2], typo[1]) if typo else (None, None)
+        field = typo[2] if typo else None
     if isinstance(error, AttributeError | KeyError) and field:
-        return (
-            f"--config.{field}: the config has no field {field!r} (did you mean "
-            f"{near!r}?); the fields are in configs/base.py."
-        )
+        return unknown_field(field, "--config.")
     spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
     if spec is not None:
         path = Path(spec.split(":", 1)[0])
@@ -266,7 +287,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     try:
         rest = flags.FLAGS(argv)
         _CONFIG.value.to_dict()  # a config that failed to load raises at first use
+        check_known_fields(_CONFIG.value)  # a typo in a config file, as on the command line
         return rest
+    except ConfigError as e:
+        message = str(e)
     except flags.Error as e:
         message = flag_error(str(e))
     except Exception as e:  # whatever a config file or an override raises

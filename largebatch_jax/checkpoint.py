@@ -6,9 +6,12 @@ any moment leaves only complete checkpoints behind. Each checkpoint is stamped w
 identity of its run and the sha256 of its arrays. Restoring tries the newest first and
 falls back to older ones when a checkpoint cannot be read, belongs to another run or no
 longer matches its checksum; such a checkpoint is moved aside (`REJECTED`), never
-deleted. Nothing here deletes a checkpoint except orbax's rotation of the oldest beyond
-`keep`. A save is not started when the disk lacks the room for it (an OSError ENOSPC,
-before anything is written).
+deleted. A checkpoint counts as saved only once it is durable: every file and folder of
+it, and its name in the checkpoints folder, fsynced (orbax's own metadata files and its
+rename are not), so that a machine that crashes or loses power leaves it readable; the
+oldest beyond `keep` is deleted only after the newer ones are durable, and nothing else
+here deletes a checkpoint. A save is not started when the disk lacks the room for it (an
+OSError ENOSPC, before anything is written).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import dataclasses
 import errno
 import hashlib
 import logging as pylogging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -79,13 +83,16 @@ class Checkpointer:
     def __init__(self, directory: str | Path, keep: int, identity: str = ""):
         self.directory = Path(directory).absolute()
         self.identity = identity
+        self.keep = keep
+        self._durable: set[int] = set()  # steps fsynced by this process
         _log_orbax_errors_in_one_line()
         self.manager = ocp.CheckpointManager(
             self.directory,
             # A save cut short (SIGKILL, a full disk) leaves a temporary directory that
             # restore never reads; it is removed when the next run opens the manager.
+            # No rotation by orbax: `_settle` deletes the oldest once the newer are durable.
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=True, cleanup_tmp_directories=True
+                max_to_keep=None, create=True, cleanup_tmp_directories=True
             ),
             item_names=("state", "host"),
         )
@@ -105,6 +112,7 @@ class Checkpointer:
         the host JSON gets the stamp: this run's identity and the arrays' sha256."""
         if step in self.manager.all_steps():
             return False
+        self.wait()  # the previous save finished, durable, and the oldest rotated out
         _check_room(self.directory, state)
         stamp = {"run": self.identity, "state_sha256": tree_digest(state)}
         return self.manager.save(
@@ -164,7 +172,14 @@ class Checkpointer:
         target, n = aside / str(step), 1
         while target.exists():
             target, n = aside / f"{step}.{n}", n + 1
-        (self.directory / str(step)).rename(target)
+        try:
+            (self.directory / str(step)).rename(target)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            # checkpoints/ is a link to another file system: copied over, then removed.
+            shutil.move(self.directory / str(step), target)
+        self._durable.discard(step)
         return target
 
     def reload(self) -> None:
@@ -172,11 +187,47 @@ class Checkpointer:
         self.manager.reload()
 
     def wait(self) -> None:
+        """Until the saves started are finished and durable (`_settle`)."""
         self.manager.wait_until_finished()
+        self._settle()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
+
+    def _settle(self) -> None:
+        """Make every finished checkpoint durable (its files, its folders, its name), then
+        delete the oldest beyond `keep` (process 0; each deletion made durable too)."""
+        steps = self.steps()
+        fresh = [s for s in steps if s not in self._durable]
+        for step in fresh:
+            _fsync_tree(self.directory / str(step))
+        if fresh:
+            _fsync_path(self.directory)
+            self._durable.update(fresh)
+        if jax.process_index() != 0 or len(steps) <= self.keep:
+            return
+        for step in steps[: len(steps) - self.keep]:
+            shutil.rmtree(self.directory / str(step))
+            self._durable.discard(step)
+        _fsync_path(self.directory)
+        self.manager.reload()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and folder under `root`, and `root`."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            _fsync_path(Path(folder) / name)
+        _fsync_path(Path(folder))
 
 
 def _check_room(directory: Path, state: Any) -> None:

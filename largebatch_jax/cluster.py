@@ -63,6 +63,12 @@ class Launch:
     method: str | None = None  # JAX's cluster_detection_method (None: JAX detects)
 
 
+def valid_address(address: str) -> bool:
+    """Whether `address` is HOST:PORT with a port JAX can listen on (1-65535)."""
+    host, colon, port = address.rpartition(":")
+    return bool(host and colon and port.isdigit() and 0 < int(port) < 65536)
+
+
 def _int(env: Mapping[str, str], name: str) -> int | None:
     """A launcher's count or index (SLURM writes some counts as '2(x4)')."""
     match = re.match(r"\s*(\d+)", env.get(name, ""))

@@ -32,6 +32,10 @@ MATH, LAYOUT, REPORTING, HOST = "math", "layout", "reporting", "host"
 # `before` of a field recorded since workdirs began recording their config.
 RECORDED = object()
 
+# Decoding processes or threads per host: beyond any host's cores (a typo of 80000 would
+# start that many processes).
+MAX_DECODERS = 256
+
 # Far beyond any run (the paper's is 90); keeps step counts within 32-bit integers.
 MAX_EPOCHS = 10_000
 
@@ -135,9 +139,14 @@ FIELDS: dict[str, Field] = {
     # Data (rules 8, 13).
     "dataset": Field("imagenet2012", (str,), bool, "a dataset name", MATH),
     "data_dir": Field("", (str,), None, "", HOST),  # "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
-    "workers": _count(8, HOST, minimum=0),  # decoding processes per host (0 = threads)
-    # Decoding threads in each of those processes (in the main process when workers=0).
-    "threads": _count(2, HOST),
+    # Decoding processes per host (0 = threads), and decoding threads in each of those
+    # processes (in the main process when workers=0); at most MAX_DECODERS each.
+    "workers": Field(
+        8, (int,), lambda v: 0 <= v <= MAX_DECODERS, f"from 0 to {MAX_DECODERS}", HOST
+    ),
+    "threads": Field(
+        2, (int,), lambda v: 1 <= v <= MAX_DECODERS, f"from 1 to {MAX_DECODERS}", HOST
+    ),
     # Global; the last batch is padded. Exact evaluation needs a multiple of n images per
     # device: 8192 is 32 per chip on 256 chips.
     "eval_batch_size": _count(8192, REPORTING),

@@ -111,21 +111,35 @@ def is_plugin_noise(line: str) -> bool:
     return any(p.search(line) for p in PLUGIN_NOISE)
 
 
+# The console's stderr while `plugin_noise_filtered` captures descriptor 2 (None outside).
+_CONSOLE_STDERR: int | None = None
+
+
+def write_stderr(text: str) -> None:
+    """Write `text` to the console's stderr at once, also while `plugin_noise_filtered`
+    captures it (from a signal handler that exits before the capture is written out)."""
+    sys.stderr.flush()
+    os.write(2 if _CONSOLE_STDERR is None else _CONSOLE_STDERR, text.encode())
+
+
 @contextlib.contextmanager
 def plugin_noise_filtered() -> Iterator[None]:
     """Run the block with file descriptor 2 captured; afterwards write out, in order,
     every captured line that is not `PLUGIN_NOISE`. Native libraries write to the
     descriptor, not to `sys.stderr`, so only this catches them; wrap the imports and the
     backend start, which are short, not the run."""
+    global _CONSOLE_STDERR
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as capture:
         os.dup2(capture.fileno(), 2)
+        _CONSOLE_STDERR = saved
         try:
             yield
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
+            _CONSOLE_STDERR = None
             os.close(saved)
             capture.seek(0)
             text = capture.read().decode(errors="replace")

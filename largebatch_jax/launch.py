@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,6 +53,10 @@ def process_env(devices_per_process: int, base: dict[str, str] | None = None) ->
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's INFO banners, once per process
     return env
+
+
+# One machine's processes, and fake devices per process: far beyond any machine's cores.
+MAX_LOCAL = 256
 
 
 def process_command(
@@ -263,12 +268,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv[:split])
     command = argv[split + 1 :]
     for name in ("processes", "devices_per_process"):
-        if getattr(args, name) < 1:
-            parser.exit(2, f"error: --{name}={getattr(args, name)} must be at least 1.\n")
+        if not 1 <= getattr(args, name) <= MAX_LOCAL:
+            parser.exit(
+                2, f"error: --{name}={getattr(args, name)} must be from 1 to {MAX_LOCAL}.\n"
+            )
     if args.grace < 0:
         parser.exit(2, f"error: --grace={args.grace} must be >= 0.\n")
     if not command:
         parser.exit(2, "error: no command after `--`.\n")
+    program = command[0]
+    if not (program.endswith(".py") and Path(program).is_file()) and not shutil.which(program):
+        parser.exit(
+            2,
+            f"error: `{program}` after `--` is neither a program on the PATH nor a "
+            "Python script: check its name and path.\n",
+        )
     return launch(command, args.processes, args.devices_per_process, args.port, args.grace)
 
 

@@ -133,8 +133,9 @@ class WorkdirLock:
     def _is_stale(self, holder: dict, age: float) -> bool:
         # On this host the process is the truth (a stopped or busy run keeps its lock);
         # on another, only the heartbeat can tell.
-        if not holder:
-            return age > self.TORN_SECONDS
+        if not holder:  # only the instant of its writing leaves a lock unwritten; an
+            # mtime in the future (a clock set back, a file copied in) is no such instant
+            return abs(age) > self.TORN_SECONDS
         if holder.get("host") == self.me["host"] and isinstance(holder.get("pid"), int):
             started = holder.get("started")
             alive = _process_alive(holder["pid"])

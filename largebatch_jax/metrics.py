@@ -161,7 +161,7 @@ def read_metrics(workdir: str | Path) -> list[dict]:
     if not path.exists():
         return []
     latest: dict[tuple, dict] = {}
-    torn = 0
+    torn = foreign = 0
     for line in path.read_text(errors="replace").splitlines():
         if line.strip():
             try:
@@ -169,9 +169,14 @@ def read_metrics(workdir: str | Path) -> list[dict]:
             except json.JSONDecodeError:
                 torn += 1
                 continue
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                foreign += 1  # JSON, but not a row this program writes
+                continue
             latest[(row["step"], tuple(sorted(row)))] = row
     if torn:
         logging.warning("%s: skipped %d torn line(s) that are not JSON", path, torn)
+    if foreign:
+        logging.warning("%s: skipped %d line(s) that are not metric rows", path, foreign)
     return sorted(latest.values(), key=lambda r: r["step"])
 
 

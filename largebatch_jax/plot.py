@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from largebatch_jax.metrics import read_metrics
+from largebatch_jax.workdir import output_file_problem
 
 
 def curves(workdir: str) -> tuple[list, list]:
@@ -73,7 +74,9 @@ def main() -> None:
     labels = args.labels.split(",") if args.labels else None
     if labels is not None and len(labels) != len(args.workdirs):
         parser.exit(2, f"error: --labels names {len(labels)} runs, not {len(args.workdirs)}.\n")
-    problem = check_workdirs(args.workdirs)
+    problem = output_file_problem("--out", args.out, (".png", ".pdf", ".svg", ".jpg")) or (
+        check_workdirs(args.workdirs)
+    )
     if problem:
         parser.exit(2, f"error: {problem}\n")
     print(plot_runs(args.workdirs, args.out, labels, args.title))

@@ -36,12 +36,19 @@ def read_record(workdir: Path) -> dict | None:
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else e
         raise WorkdirError(
-            f"{path} is not readable ({e}): restore it from the run's result.json 'config', "
+            f"{path} is not readable ({why}): restore it from the run's result.json 'config', "
             "or use a new workdir."
         ) from None
+    if not isinstance(record, dict):
+        raise WorkdirError(
+            f"{path} holds {type(record).__name__} {str(record)[:40]!r}, not a config: restore "
+            "it from the run's result.json 'config', or use a new workdir."
+        )
+    return record
 
 
 def write_record(workdir: Path, config: Any) -> None:

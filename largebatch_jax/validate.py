@@ -3,6 +3,7 @@ and the fix, raised as ConfigError (main turns it into exit code 2)."""
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Any
 
@@ -45,9 +46,29 @@ def validate_config(config: Any, num_devices: int, platform: str | None = None) 
     return micro
 
 
+def unknown_field(field: str, prefix: str = "config.") -> str:
+    """The one line for a field the table does not have, with the nearest that it has
+    (`prefix` '--config.' for a flag)."""
+    near = difflib.get_close_matches(field, list(fields.FIELDS), n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return (
+        f"{prefix}{field}: the config has no field {field!r}{hint}; the fields are in "
+        "configs/base.py."
+    )
+
+
+def check_known_fields(config: Any) -> None:
+    """Every field of `config` is in the table: a field a config file sets by a typo
+    (`c.batch_szie = 128`) would otherwise be carried along unused."""
+    for field in config:
+        if field not in fields.FIELDS:
+            raise ConfigError(unknown_field(field))
+
+
 def validate_fields(config: Any) -> None:
-    """What does not depend on the devices: every field's type and range, and the
-    schedule's boundaries (a sweep checks its runs with this before training any)."""
+    """What does not depend on the devices: every field known, its type and range, and
+    the schedule's boundaries (a sweep checks its runs with this before training any)."""
+    check_known_fields(config)
     for field, (types, check, meaning) in RULES.items():
         if field not in config:
             raise ConfigError(f"config.{field} is missing: start the config from configs/base.py.")

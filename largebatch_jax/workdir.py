@@ -70,13 +70,31 @@ def mount_type(path: Path, mounts: str = "/proc/self/mounts") -> str | None:
     return kind
 
 
+# The files and folders a run writes in its workdir (checkpoints/ may be a link to
+# another disk: the run writes inside it, not to it).
+RUN_FILES = ("run_config.json", "metrics.jsonl", "result.json", "run.lock", "rejected_checkpoints")
+
+
 def check_writable(workdir: Path) -> None:
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         probe = workdir / f".write_test_{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
-        for name in ("checkpoints",):
+        for name in RUN_FILES:
+            if (workdir / name).is_symlink():
+                raise WorkdirError(
+                    f"{workdir / name} is a symlink (to {os.readlink(workdir / name)}): the run "
+                    "writes its own files in its workdir, never through a link: replace it "
+                    "by the file it points to, or remove it."
+                )
+        for name in RUN_FILES[:-1]:
+            if (workdir / name).is_dir():
+                raise WorkdirError(
+                    f"{workdir / name} is a folder, where the run keeps its file {name}: move "
+                    "it away or choose another workdir."
+                )
+        for name in ("checkpoints", RUN_FILES[-1]):
             if (workdir / name).exists() and not (workdir / name).is_dir():
                 raise WorkdirError(
                     f"{workdir / name} is a file, where the run keeps its {name}: move it "
@@ -88,12 +106,38 @@ def check_writable(workdir: Path) -> None:
         ) from None
 
 
+def output_file_problem(flag: str, path: str, suffixes: tuple[str, ...] = ()) -> str:
+    """Why a command could not write its output `path` (given as `flag`), in one line,
+    checked before the work that makes it; "" when it can."""
+    target = Path(path)
+    if suffixes and target.suffix.lower() not in suffixes:
+        return (
+            f"{flag}={path}: cannot write a {target.suffix or 'suffix-less'} file: name it "
+            f"with one of {', '.join(suffixes)}."
+        )
+    folder = target.parent
+    if not folder.is_dir():
+        return f"{flag}={path}: the folder {folder} does not exist: create it first."
+    if not os.access(folder, os.W_OK):
+        return f"{flag}={path}: the folder {folder} is not writable: choose another."
+    return ""
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace `path` by `text` all at once: readers see the old file or the new one,
-    never a part (a crash or a full disk leaves the old one and no temporary behind)."""
+    never a part (a crash or a full disk leaves the old one and no temporary behind).
+    The temporary is a new file of this process (never a link someone put in its name's
+    place: that is removed, not followed), and a link at `path` is replaced, not written
+    through."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     try:
-        with tmp.open("w") as f:
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileExistsError:  # a stale temporary, or a planted link: not followed
+            tmp.unlink()
+            fd = os.open(tmp, flags, 0o644)
+        with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -13,6 +13,7 @@ from configs import smoke
 from largebatch_jax import parallel, train
 from largebatch_jax.builder import build_training
 from largebatch_jax.data import loader
+from largebatch_jax.train.feed import InputFeed
 from tests.runs import ROOT, call
 
 BLOCKED = ("clu", "tensorflow", "tensorflow_datasets", "grain", "orbax", "cv2", "simplejpeg")
@@ -74,7 +75,7 @@ def test_benchmark_times_the_program_main_py_runs(tmp_path, fashion_mnist_dir):
     config = smoke.get_config()
     config.data_dir = fashion_mnist_dir
     run, state, _ = train.build(config, tmp_path / "wd")
-    batch, _ = next(train.loop.device_batches(run))
+    batch, _ = next(InputFeed(run.train_loader, run.engine, config.prefetch_batches))
     theirs = _hlo_hash(run.training.train_step, state, batch)
     eval_batch = run.engine.shard_batch(
         next(loader.eval_batches(run.data.eval, run.data.augment, config.eval_batch_size))

@@ -5,6 +5,7 @@ JAX reads (Open MPI 5, MPICH), through mpi4py."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,9 +28,16 @@ MPIRUN = (
 
 
 def mpirun(workdir, data_dir, *options):
-    """`mpirun -np 2 OPTIONS python main.py` on the smoke config, started."""
+    """`mpirun -np 2 OPTIONS python main.py` on the smoke config, started. Each job has its
+    own session folder: two jobs started at once both create Open MPI's default one
+    (/tmp/ompi.HOST.UID), and the second fails with EEXIST (seen once in CI)."""
+    session = Path(f"{workdir}_ompi")
+    session.mkdir(parents=True, exist_ok=True)
     command = [
         *MPIRUN,
+        "--mca",
+        "orte_tmpdir_base",
+        str(session),
         *options,
         sys.executable,
         "main.py",

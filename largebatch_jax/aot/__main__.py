@@ -25,6 +25,7 @@ with host.plugin_noise_filtered():
     from largebatch_jax import builder, exact, parallel
     from largebatch_jax.aot import programs, report, targets
     from largebatch_jax.validate import validate_config
+    from largebatch_jax.workdir import output_file_problem
 
     jax.devices()  # the backend starts here, and JAX loads its plugins
 
@@ -183,6 +184,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         # Executables for described (not attached) devices cannot go through the
         # persistent compilation cache: every lookup fails with a warning.
         jax.config.update("jax_enable_compilation_cache", False)
+        problem = _JSON.value and output_file_problem("--json", _JSON.value)
+        if problem:  # before the compile, not after it
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+            return 2
         try:
             return run(
                 _CONFIG.value,

@@ -97,6 +97,11 @@ class StopAgreement:
         return {int(k.rsplit("/", 1)[1]) for k, _ in self._entries(kind)}
 
 
+# The signals that stop a run with a checkpoint: a scheduler's preemption notice, and a
+# closed terminal or dropped ssh session.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 class Preemption:
     """A scheduler's preemption notice (SIGTERM), read by the loop between steps.
 
@@ -127,7 +132,8 @@ class Preemption:
     def __enter__(self):
         if threading.current_thread() is not threading.main_thread():
             return self
-        self._previous = signal.signal(signal.SIGTERM, self._handler)
+        # SIGHUP (the terminal closed, the ssh session dropped) stops the run as SIGTERM does.
+        self._previous = {s: signal.signal(s, self._handler) for s in STOP_SIGNALS}
         if jax.process_count() > 1:
             self._agreement = StopAgreement(
                 cluster.kv_client(),
@@ -155,8 +161,9 @@ class Preemption:
         while not self._done.is_set():
             ready, _, _ = select.select([self._wake], [], [], POLL_SECONDS)
             signals = self._wake.recv(256) if ready else b""
-            if signal.SIGTERM in signals:
-                self._agree("SIGTERM")
+            got = [s for s in STOP_SIGNALS if s in signals]
+            if got:
+                self._agree(got[0].name)
                 return
             with contextlib.suppress(Exception):  # the service is gone: JAX stops us
                 if self._agreement.announced():
@@ -194,7 +201,8 @@ class Preemption:
             self._wake.close()
             self._wake_write.close()
         if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+            for s, previous in self._previous.items():
+                signal.signal(s, previous)
 
 
 class DeferredInterrupt:

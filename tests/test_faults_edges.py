@@ -1,0 +1,404 @@
+"""The third fault campaign's defects (issue 46), each reproduced from outside: real
+files, subprocesses, the program's own command line."""
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.runs import (
+    LONGER,
+    call,
+    checkpoint_steps,
+    error_lines,
+    result,
+    run,
+    start,
+    wait_for_checkpoint,
+)
+
+
+def _refused(out, line: str) -> None:
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert error_lines(out.stderr) == [f"error: {line}"], out.stderr[-2000:]
+
+
+def test_a_typo_in_a_config_file_is_refused_like_one_on_the_command_line(
+    tmp_path, fashion_mnist_dir
+):
+    """`c.batch_szie = 128` in a config file added a field nothing reads: the run
+    trained with the default batch and ended 'done'. It is refused with the command
+    line's line, before anything is written."""
+    typo = tmp_path / "typo.py"
+    typo.write_text(
+        "from configs import smoke\n\n\ndef get_config():\n"
+        "    c = smoke.get_config()\n    c.batch_szie = 128\n    return c\n"
+    )
+    common = [f"--workdir={tmp_path / 'wd'}", f"--config.data_dir={fashion_mnist_dir}"]
+    from_file = call([sys.executable, "main.py", f"--config={typo}", *common], timeout=120)
+    hint = "the config has no field 'batch_szie' (did you mean 'batch_size'?); the fields are in"
+    _refused(from_file, f"config.batch_szie: {hint} configs/base.py.")
+    from_flag = call(
+        [sys.executable, "main.py", "--config=configs/smoke.py", *common, "--config.batch_szie=1"],
+        timeout=120,
+    )
+    _refused(from_flag, f"--config.batch_szie: {hint} configs/base.py.")
+    assert not (tmp_path / "wd").exists()
+
+
+def test_a_link_planted_in_a_temporary_name_is_not_written_through(tmp_path, fashion_mnist_dir):
+    """`.run_config.json.tmp<PID>` and `.result.json.tmp<PID>` planted as links to a file
+    outside the workdir, for the pid of a run just started: the run wrote its config
+    through the first into that file and left run_config.json a link to it. Now the
+    links are removed, not followed: the outside file is untouched, the run's files are
+    its own, and it ends done."""
+    outside = tmp_path / "precious.txt"
+    outside.write_text("precious\n")
+    workdir = tmp_path / "wd"
+    workdir.mkdir()
+    proc = start(workdir, fashion_mnist_dir)
+    for name in ("run_config.json", "result.json"):
+        (workdir / f".{name}.tmp{proc.pid}").symlink_to(outside)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert outside.read_text() == "precious\n"
+    for name in ("run_config.json", "result.json"):
+        assert (workdir / name).is_file() and not (workdir / name).is_symlink()
+    assert json.loads((workdir / "run_config.json").read_text())["batch_size"] == 64
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "rejected_checkpoints"])
+def test_a_run_file_that_is_a_link_is_refused(tmp_path, fashion_mnist_dir, name):
+    """A `metrics.jsonl` that linked outside had its target cut back and appended to; a
+    `rejected_checkpoints` link received set-aside checkpoints outside the workdir. A run
+    file that is a link is refused in one line, exit 2, the target untouched."""
+    target = tmp_path / "elsewhere"
+    if name == "metrics.jsonl":
+        target.write_text('{"step": 1}\nnot a row, no newline')
+    else:
+        target.mkdir()
+    workdir = tmp_path / "wd"
+    workdir.mkdir()
+    (workdir / name).symlink_to(target)
+    before = sorted(p.name for p in target.iterdir()) if target.is_dir() else target.read_text()
+    out = run(workdir, fashion_mnist_dir, timeout=120)
+    _refused(
+        out,
+        f"{workdir / name} is a symlink (to {target}): the run writes its own files in its "
+        "workdir, never through a link: replace it by the file it points to, or remove it.",
+    )
+    after = sorted(p.name for p in target.iterdir()) if target.is_dir() else target.read_text()
+    assert after == before
+    assert not (workdir / "checkpoints").exists()
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_data_workers_die_with_their_parent(tmp_path, fashion_mnist_dir):
+    """With workers > 0, a SIGKILL of the main process (as the OOM killer sends) left its
+    grain worker processes alive indefinitely, with their memory and shared memory. Now
+    the kernel kills them with it."""
+    workdir = tmp_path / "wd"
+    proc = start(workdir, fashion_mnist_dir, "--config.workers=2", *LONGER)
+    wait_for_checkpoint(proc, workdir, 8)
+    workers = {c for c in _children(proc.pid) if "python" in Path(f"/proc/{c}/exe").resolve().name}
+    assert len(workers) >= 2, workers  # grain's 2 workers (and its resource tracker)
+    proc.kill()
+    proc.wait(timeout=30)  # not communicate(): orphaned workers would hold its pipes open
+    proc.stdout.close()
+    proc.stderr.close()
+    deadline = time.time() + 10
+    while any(map(_alive, workers)) and time.time() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in workers if _alive(pid)]
+    for pid in left:  # do not leave them to the next test
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"data workers alive 10 s after their parent's SIGKILL: {left}"
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--heartbeat_timeout_seconds=-1",
+        "--initialization_timeout_seconds=0",
+        "--num_processes=0",
+        "--process_id=-1",
+        "--coordinator_address=127.0.0.1:99999",
+        "--coordinator_address=node001",
+    ],
+)
+def test_a_bad_cluster_flag_is_one_line(tmp_path, flag):
+    """A negative heartbeat aborted every process (SIGABRT, 71 lines), port 99999 raised
+    an OverflowError, --num_processes=0 ran as one process: each is now absl's one line
+    naming the flag, exit 2, before anything starts."""
+    out = call(
+        [sys.executable, "main.py", "--config=configs/smoke.py", f"--workdir={tmp_path}", flag],
+        timeout=120,
+    )
+    name = flag.split("=")[0]
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    lines = error_lines(out.stderr)
+    assert len(lines) == 1 and name in lines[0], out.stderr[-2000:]
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "name,kind,line",
+    [
+        ("run_config.json", "1", "holds int '1', not a config: restore it from"),
+        ("run_config.json", "folder", "is a folder, where the run keeps its file run_config"),
+        ("metrics.jsonl", "folder", "is a folder, where the run keeps its file metrics.jsonl"),
+        ("result.json", "folder", "is a folder, where the run keeps its file result.json"),
+    ],
+)
+def test_a_run_file_of_the_wrong_kind_is_one_line(tmp_path, fashion_mnist_dir, name, kind, line):
+    """run_config.json holding `1` or being a folder, metrics.jsonl or result.json being
+    a folder: tracebacks, now one line naming the file, exit 2, nothing written."""
+    workdir = tmp_path / "wd"
+    workdir.mkdir()
+    if kind == "folder":
+        (workdir / name).mkdir()
+    else:
+        (workdir / name).write_text(kind)
+    out = run(workdir, fashion_mnist_dir, timeout=120)
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    lines = error_lines(out.stderr)
+    assert len(lines) == 1 and f"{workdir / name} {line}" in lines[0], out.stderr[-2000:]
+    assert not checkpoint_steps(workdir)
+
+
+def test_a_json_line_that_is_not_a_row_is_skipped(tmp_path, fashion_mnist_dir):
+    """Valid JSON in metrics.jsonl that is not a row (`[]`, an object without a step)
+    made the end of training a KeyError, result.json never written, on every rerun; and
+    `plot` the same. They are skipped with one warning."""
+    workdir = tmp_path / "wd"
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text('[]\n{"note": "mine"}\n')
+    out = run(workdir, fashion_mnist_dir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "skipped 2 line(s) that are not metric rows" in out.stderr
+    assert json.loads((workdir / "result.json").read_text())["final_val_error_top1"] is not None
+    plot = [sys.executable, "-m", "largebatch_jax.plot", str(workdir)]
+    drawn = call([*plot, "--out", str(tmp_path / "c.png")])
+    assert drawn.returncode == 0 and (tmp_path / "c.png").exists(), drawn.stderr[-2000:]
+
+
+@contextlib.contextmanager
+def _ext4(tmp_path: Path):
+    """A fresh ext4 file system on a loop device, mounted to stop writing at its first
+    error (`errors=remount-ro`): (mount point, its sysfs name)."""
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
+        pytest.skip("the crash test mounts a loop device: run the suite as root (CI does)")
+    image, mount = tmp_path / "ext4.img", tmp_path / "mnt"
+    mount.mkdir()
+    subprocess.run(["truncate", "-s", "128M", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", str(image)], check=True)
+    subprocess.run(["mount", "-o", "loop,errors=remount-ro", str(image), str(mount)], check=True)
+    try:
+        source = subprocess.run(
+            ["findmnt", "-no", "SOURCE", str(mount)], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        yield image, mount, Path(source).name
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_machine_crash_leaves_the_checkpoints_saved_before_it_readable(
+    tmp_path, fashion_mnist_dir, straight
+):
+    """The file system stops writing as a power loss would leave it (ext4's
+    trigger_fs_error once checkpoint 40 appears): what was not fsynced is lost. Orbax
+    fsyncs its arrays but not its metadata or its renamed folders, so checkpoints 16-32
+    came back with empty metadata and none could be restored. Now each is durable
+    before it counts: the rerun resumes from one saved before the crash and ends with
+    the uninterrupted run's params_sha256."""
+    with _ext4(tmp_path) as (image, mount, device):
+        workdir = mount / "wd"
+        proc = start(workdir, fashion_mnist_dir, *LONGER)
+        wait_for_checkpoint(proc, workdir, 40)
+        Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("crash\n")
+        proc.kill()  # it may have stopped on the read-only file system already
+        proc.communicate()
+        subprocess.run(["umount", str(mount)], check=True)
+        subprocess.run(["mount", "-o", "loop", str(image), str(mount)], check=True)
+        out = run(workdir, fashion_mnist_dir, *LONGER)
+        assert out.returncode == 0, out.stderr[-3000:]
+        resumed = re.search(r"resuming at step (\d+)", out.stderr)
+        assert resumed and int(resumed[1]) >= 32, out.stderr[-3000:]
+        assert result(workdir)["params_sha256"] == result(straight)["params_sha256"]
+
+
+def test_checkpoints_on_another_file_system_are_set_aside_across_it(tmp_path, fashion_mnist_dir):
+    """checkpoints/ a link to a folder on another file system (/dev/shm here): setting an
+    unreadable checkpoint aside renamed it across file systems, EXDEV on every rerun, so
+    the fallback never worked. It is moved across: the rerun resumes from the one before
+    and finishes."""
+    elsewhere = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="checkpoints_"))
+    try:
+        workdir = tmp_path / "wd"
+        workdir.mkdir()
+        (workdir / "checkpoints").symlink_to(elsewhere)
+        out = run(workdir, fashion_mnist_dir)
+        assert out.returncode == 0, out.stderr[-3000:]
+        (workdir / "result.json").unlink()
+        for f in (elsewhere / "32" / "host").iterdir():
+            f.write_text("not json")
+        again = run(workdir, fashion_mnist_dir)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "checkpoint at step 32 cannot be read" in again.stderr
+        assert (workdir / "rejected_checkpoints" / "32").is_dir()
+        assert "resuming at step 24" in again.stderr
+    finally:
+        shutil.rmtree(elsewhere, ignore_errors=True)
+
+
+def test_a_closed_terminal_stops_the_run_as_a_preemption_does(
+    tmp_path, fashion_mnist_dir, straight
+):
+    """SIGHUP (the terminal closed, the ssh session dropped) ended the run with exit 129,
+    no message and no checkpoint. It now stops it as SIGTERM does: a checkpoint at the
+    step it reached, one line, exit 0; the rerun ends with the uninterrupted sha."""
+    workdir = tmp_path / "wd"
+    proc = start(workdir, fashion_mnist_dir, *LONGER)
+    wait_for_checkpoint(proc, workdir, 16)
+    proc.send_signal(signal.SIGHUP)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    saved = re.search(r"preempted: checkpoint saved at step (\d+)", out)
+    assert saved and int(saved[1]) in checkpoint_steps(workdir), out
+    again = run(workdir, fashion_mnist_dir, *LONGER)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert result(workdir)["params_sha256"] == result(straight)["params_sha256"]
+
+
+@pytest.mark.parametrize("when", ["importing", "building"])
+def test_ctrl_c_during_start_up_is_one_line(tmp_path, fashion_mnist_dir, when):
+    """Ctrl-C while main.py imports JAX, or once it has written its run record and is
+    loading data and compiling: a traceback of 28 or 147 lines. Now one line, exit
+    130, the workdir lock released."""
+    workdir = tmp_path / "wd"
+    proc = start(workdir, fashion_mnist_dir)
+    deadline = time.time() + 120
+    if when == "importing":
+        time.sleep(1.0)
+    else:
+        while not (workdir / "run_config.json").exists() and time.time() < deadline:
+            time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    lines = [x for x in (out + err).splitlines() if x.strip()]
+    assert "Traceback" not in err, err[-3000:]
+    assert [x for x in lines if x.startswith(("interrupted", "error:"))], err[-3000:]
+    assert not (workdir / "run.lock").exists()
+
+
+@pytest.mark.parametrize(
+    "command,line",
+    [
+        (
+            ["-m", "largebatch_jax.plot", "{wd}", "--out", "{tmp}/missing/c.png"],
+            "--out={tmp}/missing/c.png: the folder {tmp}/missing does not exist: create it first.",
+        ),
+        (
+            ["-m", "largebatch_jax.plot", "{wd}", "--out", "{tmp}/c.pngx"],
+            "--out={tmp}/c.pngx: cannot write a .pngx file: name it with one of .png, .pdf, "
+            ".svg, .jpg.",
+        ),
+        (
+            [
+                "-m",
+                "largebatch_jax.aot",
+                "--config=configs/smoke.py",
+                "--topology=v5e:2x2",
+                "--json={tmp}/missing/figures.json",
+            ],
+            "--json={tmp}/missing/figures.json: the folder {tmp}/missing does not exist: "
+            "create it first.",
+        ),
+    ],
+    ids=["plot_missing_folder", "plot_unknown_suffix", "aot_json_missing_folder"],
+)
+def test_an_output_file_that_cannot_be_written_is_one_line_before_the_work(tmp_path, command, line):
+    """`plot --out` into a missing folder or with a suffix matplotlib cannot write, and
+    `aot --json` into a missing folder (after the whole compile): tracebacks. Each is one
+    line, exit 2, before any work."""
+    workdir = tmp_path / "wd"
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text('{"step": 4, "epoch": 1.0, "train_error": 0.5}\n')
+    fill = {"wd": str(workdir), "tmp": str(tmp_path)}
+    out = call([sys.executable, *(c.format(**fill) for c in command)], timeout=120)
+    _refused(out, line.format(**fill))
+
+
+def test_an_empty_lock_from_the_future_is_stale(tmp_path, fashion_mnist_dir):
+    """An empty run.lock whose mtime is a day ahead (a clock set back, a file copied in)
+    refused the run for that day ('try again in 5 s'). It is stale like an old one:
+    replaced with one warning, and the run trains."""
+    workdir = tmp_path / "wd"
+    workdir.mkdir()
+    lock = workdir / "run.lock"
+    lock.write_text("")
+    ahead = time.time() + 86400
+    os.utime(lock, (ahead, ahead))
+    out = run(workdir, fashion_mnist_dir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "replaced the stale lock" in out.stderr, out.stderr[-3000:]
+    assert (workdir / "result.json").exists()
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (
+            ["--processes=2", "--devices_per_process=4", "--", "/nonexistent_binary"],
+            "`/nonexistent_binary` after `--` is neither a program on the PATH nor a Python "
+            "script: check its name and path.",
+        ),
+        (
+            ["--processes=300", "--devices_per_process=1", "--", "true"],
+            "--processes=300 must be from 1 to 256.",
+        ),
+    ],
+    ids=["missing_program", "too_many_processes"],
+)
+def test_the_launcher_refuses_what_it_cannot_start(args, line):
+    """`launch -- /nonexistent_binary` was a traceback; --processes had no upper bound
+    (300 processes started). Each is one line, exit 2, nothing started."""
+    out = call([sys.executable, "-m", "largebatch_jax.launch", *args], timeout=60)
+    _refused(out, line)
+
+
+def test_decoding_workers_and_threads_are_bounded(tmp_path, fashion_mnist_dir):
+    """--config.workers had no upper bound (a typo of 80000 starts that many processes):
+    it is refused in one line, as are threads beyond the same bound."""
+    for field, value, allowed in (
+        ("workers", 300, "from 0 to 256"),
+        ("threads", 0, "from 1 to 256"),
+    ):
+        out = run(tmp_path / field, fashion_mnist_dir, f"--config.{field}={value}", timeout=120)
+        _refused(out, f"config.{field}={value} must be {allowed}.")
