@@ -262,7 +262,16 @@ def config_error(error: BaseException, argv: list[str]) -> str:
         if not path.is_file():
             return f"--config={spec}: no such config file {str(path)!r}."
         try:
-            compile(path.read_text(), str(path), "exec")
+            source = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            return (
+                f"--config={spec}: {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                f"{e.start}; UTF-16?): save it as UTF-8."
+            )
+        if "\x00" in source:
+            return f"--config={spec}: {path} holds NUL bytes: save it as UTF-8 text."
+        try:
+            compile(source, str(path), "exec")
         except SyntaxError as e:
             return f"--config={spec}: syntax error in {path} line {e.lineno}: {e.msg}."
     lines = [x.strip() for x in text.splitlines() if x.strip()]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import json
 import logging as pylogging
 import os
 import shutil
@@ -42,6 +43,12 @@ def tree_digest(tree: Any) -> str:
     for leaf in jax.tree.leaves(jax.device_get(tree)):
         digest.update(np.ascontiguousarray(leaf).tobytes())
     return digest.hexdigest()
+
+
+def host_digest(host: dict) -> str:
+    """sha256 of a checkpoint's host state as JSON (keys sorted), its stamp left out."""
+    plain = {k: v for k, v in host.items() if k != STAMP}
+    return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
 
 
 @dataclasses.dataclass
@@ -85,6 +92,7 @@ class Checkpointer:
         self.identity = identity
         self.keep = keep
         self._durable: set[int] = set()  # steps fsynced by this process
+        self._saved = False  # rotation follows a save of this run's, never a mere start
         _log_orbax_errors_in_one_line()
         self.manager = ocp.CheckpointManager(
             self.directory,
@@ -114,7 +122,12 @@ class Checkpointer:
             return False
         self.wait()  # the previous save finished, durable, and the oldest rotated out
         _check_room(self.directory, state)
-        stamp = {"run": self.identity, "state_sha256": tree_digest(state)}
+        self._saved = True
+        stamp = {
+            "run": self.identity,
+            "state_sha256": tree_digest(state),
+            "host_sha256": host_digest(host_state),
+        }
         return self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -138,8 +151,8 @@ class Checkpointer:
                         state=ocp.args.StandardRestore(abstract), host=ocp.args.JsonRestore()
                     ),
                 )
-                host = dict(restored["host"])
-                why = self._why_not_ours(restored["state"], host.pop(STAMP, None))
+                host = restored["host"]
+                why = self._why_not_ours(restored["state"], host)
             except Exception as e:  # a corrupt or partial checkpoint
                 lines = str(e).splitlines()
                 why = f"cannot be read ({type(e).__name__}: {lines[0] if lines else ''})"
@@ -149,9 +162,21 @@ class Checkpointer:
             found.rejected[step] = why
         return found
 
-    def _why_not_ours(self, state: Any, stamp: Any) -> str:
-        """Why a checkpoint that was read cannot be used ("" when it can). A checkpoint
-        without a stamp (saved before checkpoints had one) is used as it is."""
+    def _why_not_ours(self, state: Any, host: Any) -> str:
+        """Why a checkpoint that was read cannot be used ("" when it can); takes the stamp
+        out of `host`. Its host state must be an object at the step of its arrays (the
+        TrainState's own step), and match the sha256 its stamp saved with it; a
+        checkpoint saved before stamps existed (or before they covered the host state)
+        is used where its host state is at its arrays' step."""
+        if not isinstance(host, dict) or not isinstance(host.get("step"), int):
+            return "is damaged (its host state has no step: it is not the one saved)"
+        stamp = host.pop(STAMP, None)
+        arrays_step = int(jax.device_get(state.step)) if hasattr(state, "step") else None
+        if arrays_step is not None and host["step"] != arrays_step:
+            return (
+                f"is damaged (its host state is at step {host['step']}, its arrays at step "
+                f"{arrays_step})"
+            )
         if stamp is None:
             return ""
         if not isinstance(stamp, dict) or stamp.get("run") != self.identity:
@@ -162,6 +187,8 @@ class Checkpointer:
             )
         if stamp.get("state_sha256") != tree_digest(state):
             return "is damaged (its arrays do not match the sha256 saved with them)"
+        if "host_sha256" in stamp and stamp["host_sha256"] != host_digest(host):
+            return "is damaged (its host state does not match the sha256 saved with it)"
         return ""
 
     def set_aside(self, step: int) -> Path:
@@ -196,8 +223,9 @@ class Checkpointer:
         self.manager.close()
 
     def _settle(self) -> None:
-        """Make every finished checkpoint durable (its files, its folders, its name), then
-        delete the oldest beyond `keep` (process 0; each deletion made durable too)."""
+        """Make every finished checkpoint durable (its files, its folders, its name), then,
+        once this run has saved one, delete the oldest beyond `keep` (process 0; each
+        deletion made durable too), as orbax's rotation did after each save."""
         steps = self.steps()
         fresh = [s for s in steps if s not in self._durable]
         for step in fresh:
@@ -205,7 +233,7 @@ class Checkpointer:
         if fresh:
             _fsync_path(self.directory)
             self._durable.update(fresh)
-        if jax.process_index() != 0 or len(steps) <= self.keep:
+        if not self._saved or jax.process_index() != 0 or len(steps) <= self.keep:
             return
         for step in steps[: len(steps) - self.keep]:
             shutil.rmtree(self.directory / str(step))

@@ -170,11 +170,13 @@ class WorkdirLock:
         call again at any point, from a signal handler too: this lock leaves `_HELD`
         last."""
         self._stop.set()
-        with contextlib.suppress(FileNotFoundError):
+        # OSError: a file system gone read-only keeps the lock; its process is gone when
+        # the next run looks, so that run replaces it as stale.
+        with contextlib.suppress(OSError):
             self._draft.unlink()
         holder, _ = self._holder()
         if holder.get("token") == self.me["token"]:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 self.path.unlink()
         if self in _HELD:
             _HELD.remove(self)

@@ -149,6 +149,18 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def is_disk_full(error: BaseException) -> bool:
     """Whether `error`, or an error it was raised from, is a full disk or quota."""
+    return _caused_by(
+        error, (errno.ENOSPC, errno.EDQUOT), ("No space left on device", "Disk quota exceeded")
+    )
+
+
+def is_read_only(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised from, is a write to a file system that
+    has become read-only (ext4 and others remount so after a disk error)."""
+    return _caused_by(error, (errno.EROFS,), ("Read-only file system",))
+
+
+def _caused_by(error: BaseException, errnos: tuple[int, ...], texts: tuple[str, ...]) -> bool:
     seen = set()
     stack = [error]
     while stack:
@@ -156,9 +168,9 @@ def is_disk_full(error: BaseException) -> bool:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(e, OSError) and e.errno in errnos:
             return True
-        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+        if any(t in str(e) for t in texts):
             return True
         stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
     return False

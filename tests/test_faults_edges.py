@@ -402,3 +402,102 @@ def test_decoding_workers_and_threads_are_bounded(tmp_path, fashion_mnist_dir):
     ):
         out = run(tmp_path / field, fashion_mnist_dir, f"--config.{field}={value}", timeout=120)
         _refused(out, f"config.{field}={value} must be {allowed}.")
+
+
+def _cut_back(straight: Path, workdir: Path, step: int) -> None:
+    """A copy of the finished `straight` run as it stood when checkpoint `step` was the
+    newest: later checkpoints and result.json gone, metrics.jsonl cut back to `step`."""
+    shutil.copytree(straight, workdir)
+    (workdir / "result.json").unlink()
+    for s in checkpoint_steps(workdir):
+        if s > step:
+            shutil.rmtree(workdir / "checkpoints" / str(s))
+    rows = (workdir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (workdir / "metrics.jsonl").write_text(
+        "".join(r for r in rows if json.loads(r)["step"] <= step)
+    )
+
+
+@pytest.mark.parametrize("host", ["[]", '{"note": "no fields"}', "step"])
+def test_a_checkpoint_whose_host_state_is_damaged_is_set_aside(
+    tmp_path, fashion_mnist_dir, straight, host
+):
+    """Checkpoint 16's host JSON replaced by `[]` or an object without its fields was
+    used as it was: step and data position restarted at 0 on step-16 parameters and the
+    run ended 'done' with another sha. An edited `step` was a traceback on every rerun.
+    Now such a checkpoint is set aside like one with damaged arrays (the stamp covers
+    the host state and its step must be the arrays' own), and the run resumes from the
+    one before with the uninterrupted sha."""
+    workdir = tmp_path / "wd"
+    _cut_back(straight, workdir, 16)
+    saved = workdir / "checkpoints" / "16" / "host" / "metadata"
+    if host == "step":
+        blob = json.loads(saved.read_text())
+        blob["step"] = 15
+        saved.write_text(json.dumps(blob))
+    else:
+        saved.write_text(host)
+    out = run(workdir, fashion_mnist_dir, *LONGER)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "checkpoint at step 16 is damaged (its host state" in out.stderr, out.stderr[-3000:]
+    assert "resuming at step 8" in out.stderr
+    assert result(workdir)["params_sha256"] == result(straight)["params_sha256"]
+
+
+def test_the_papers_metric_says_which_evaluations_are_missing(
+    tmp_path, fashion_mnist_dir, straight
+):
+    """metrics.jsonl deleted after the evaluation at epoch 3 (the paper's metric takes
+    epochs 3 and 4 here), the run resumed from step 56: the metric came from epoch 4
+    alone, silently. The run now says which are missing, in a warning, the done line and
+    result.json."""
+    workdir = tmp_path / "wd"
+    _cut_back(straight, workdir, 56)
+    (workdir / "metrics.jsonl").unlink()
+    out = run(workdir, fashion_mnist_dir, *LONGER)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert result(workdir)["evaluations_missing"] == [3.0]
+    assert "evaluations at epochs [3.0] are missing" in out.stderr
+    assert "without the evaluations at epochs [3.0]" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "kind,line",
+    [
+        ("utf16", "is not UTF-8 text (byte 0xff at 0; UTF-16?): save it as UTF-8."),
+        ("nul", "holds NUL bytes: save it as UTF-8 text."),
+    ],
+)
+def test_a_config_file_that_is_not_utf8_text_is_one_line(tmp_path, kind, line):
+    """A config file saved as UTF-16 was a traceback of 64 lines; one with a NUL byte
+    said 'line None'. Each is one line naming the file and the fix."""
+    source = "from configs import smoke\n\n\ndef get_config():\n    return smoke.get_config()\n"
+    config = tmp_path / f"{kind}.py"
+    if kind == "utf16":
+        config.write_text(source, encoding="utf-16")
+    else:
+        config.write_bytes(source.replace("\n\n\n", "\n\x00\n").encode())
+    out = call([sys.executable, "main.py", f"--config={config}", f"--workdir={tmp_path / 'wd'}"])
+    _refused(out, f"--config={config}: {config} {line}")
+
+
+def test_a_file_system_gone_read_only_mid_run_is_one_line(tmp_path, fashion_mnist_dir, straight):
+    """The workdir's file system remounted read-only after a disk error (ext4's
+    errors=remount-ro) mid-run: 67 lines, two chained OSErrors and an empty lock left.
+    Now one line, exit 2, naming the checkpoints kept; once the file system is writable
+    again the same command resumes and ends with the uninterrupted sha."""
+    with _ext4(tmp_path) as (image, mount, device):
+        workdir = mount / "wd"
+        proc = start(workdir, fashion_mnist_dir, *LONGER)
+        wait_for_checkpoint(proc, workdir, 16)
+        Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("mid-run\n")
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        lines = error_lines(err)
+        assert len(lines) == 1 and "became read-only" in lines[0], err[-3000:]
+        subprocess.run(["umount", str(mount)], check=True)
+        subprocess.run(["mount", "-o", "loop", str(image), str(mount)], check=True)
+        again = run(workdir, fashion_mnist_dir, *LONGER)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert result(workdir)["params_sha256"] == result(straight)["params_sha256"]

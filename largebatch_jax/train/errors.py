@@ -49,9 +49,9 @@ def first_line(error: BaseException) -> str:
 def one_line_error(
     error: BaseException, kept: list[int], checkpoints: Path, workdir: Path
 ) -> BaseException | None:
-    """The one-line error a known fault becomes (non-finite update, SIGINT, disk full),
-    or None. Called after the checkpointer has closed: every save has finished, and
-    `kept` are the steps of the checkpoints in `checkpoints`."""
+    """The one-line error a known fault becomes (non-finite update, SIGINT, disk full,
+    a read-only file system), or None. Called after the checkpointer has closed: every
+    save has finished, and `kept` are the steps of the checkpoints in `checkpoints`."""
     where = f"checkpoints at steps {kept} in {checkpoints} are intact"
     if isinstance(error, NonFiniteLossError):
         return NonFiniteLossError(
@@ -71,5 +71,10 @@ def one_line_error(
         return wd.WorkdirError(
             f"no space left on the device of --workdir={workdir}: {where}; free space "
             "and rerun the same command to resume."
+        )
+    if wd.is_read_only(error):
+        return wd.WorkdirError(
+            f"the file system of --workdir={workdir} became read-only (a disk error, or "
+            f"remounted): {where}; rerun the same command once it is writable again."
         )
     return None

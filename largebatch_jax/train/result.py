@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from absl import logging
 
 from largebatch_jax import record, schedules
 from largebatch_jax import workdir as wd
 from largebatch_jax.checkpoint import tree_digest
 from largebatch_jax.metrics import TrainClock, read_metrics
+from largebatch_jax.train.loop import Triggers
 from largebatch_jax.train.state import Progress, Run
 
 RESULT = "result.json"
@@ -32,13 +34,34 @@ def paper_metric(evals: list[dict], num_epochs: float, last_epochs: float) -> di
     }
 
 
+def missing_evaluations(run: Run, used: list[dict]) -> list[float]:
+    """The epochs of the evaluations that the paper's metric should use (those the loop
+    made in the last `result_last_epochs` epochs) but metrics.jsonl does not hold."""
+    c, spe, total = run.config, run.data.steps_per_epoch, run.total_steps
+    triggers = Triggers.of(c, spe, total)
+    first = c.num_epochs - c.result_last_epochs + 1e-9
+    due = [s / spe for s in range(1, total + 1) if s / spe > first and triggers.at(s).evaluate]
+    have = {round(e["epoch"], 9) for e in used}
+    return [e for e in due if round(e, 9) not in have]
+
+
 def finish(run: Run, state: Any, progress: Progress, clock: TrainClock) -> dict:
     """The run's result from its metrics.jsonl and final state; written to result.json."""
     c = run.config
     evals = [r for r in read_metrics(run.workdir) if "val_error_top1" in r]
     final = evals[-1] if evals else {}
+    metric = paper_metric(evals, c.num_epochs, c.result_last_epochs)
+    missing = missing_evaluations(run, metric["evaluations_used"])
+    if missing and run.is_main:
+        logging.warning(
+            "the evaluations at epochs %s are missing from %s (lost or deleted): the paper's "
+            "metric is the median of the others only; result.json lists them",
+            missing,
+            run.workdir / "metrics.jsonl",
+        )
     result = {
-        **paper_metric(evals, c.num_epochs, c.result_last_epochs),
+        **metric,
+        **({"evaluations_missing": missing} if missing else {}),
         "final_val_error_top1": final.get("val_error_top1"),
         "final_val_error_top5": final.get("val_error_top5"),
         "steps": run.total_steps,
@@ -102,5 +125,11 @@ def summary(result: dict) -> str:
             f", {metric:.4g} by the paper's metric (the median of {last}' evaluations)"
             if metric is not None
             else f"; no evaluation in {last} for the paper's metric"
+        )
+        + (
+            f" (without the evaluations at epochs {result['evaluations_missing']}, missing from "
+            "metrics.jsonl)"
+            if result.get("evaluations_missing")
+            else ""
         )
     )
