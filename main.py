@@ -257,6 +257,11 @@ def config_error(error: BaseException, argv: list[str]) -> str:
     if isinstance(error, AttributeError | KeyError) and field:
         return unknown_field(field, "--config.")
     spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if spec is not None and "has no attribute 'get_config" in text:
+        return (
+            f"--config={spec}: the file defines no get_config(): a config file returns its "
+            "ConfigDict from get_config(), as configs/smoke.py does."
+        )
     if spec is not None:
         path = Path(spec.split(":", 1)[0])
         if not path.is_file():

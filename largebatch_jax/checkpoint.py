@@ -162,6 +162,16 @@ class Checkpointer:
             found.rejected[step] = why
         return found
 
+    def stamped_identity(self, step: int) -> str | None:
+        """The run identity stamped on the checkpoint of `step` (its host JSON only is
+        read), or None where it has none or cannot be read."""
+        try:
+            host = self.manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore()))
+            stamp = host["host"].get(STAMP)
+            return stamp.get("run") if isinstance(stamp, dict) else None
+        except Exception:  # unreadable: restore says why, later
+            return None
+
     def _why_not_ours(self, state: Any, host: Any) -> str:
         """Why a checkpoint that was read cannot be used ("" when it can); takes the stamp
         out of `host`. Its host state must be an object at the step of its arrays (the

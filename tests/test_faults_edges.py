@@ -501,3 +501,53 @@ def test_a_file_system_gone_read_only_mid_run_is_one_line(tmp_path, fashion_mnis
         again = run(workdir, fashion_mnist_dir, *LONGER)
         assert again.returncode == 0, again.stderr[-3000:]
         assert result(workdir)["params_sha256"] == result(straight)["params_sha256"]
+
+
+def test_a_config_file_without_get_config_is_one_line_in_its_own_words(tmp_path):
+    """A config file without get_config() was answered with ml_collections' internal
+    module name and a quote lost (`module 'config_config' has no attribute
+    'get_config`): the line now names the file and what it must define."""
+    config = tmp_path / "mine.py"
+    config.write_text("batch_size = 64\n")
+    out = call([sys.executable, "main.py", f"--config={config}", f"--workdir={tmp_path / 'wd'}"])
+    _refused(
+        out,
+        f"--config={config}: the file defines no get_config(): a config file returns its "
+        "ConfigDict from get_config(), as configs/smoke.py does.",
+    )
+
+
+def test_a_file_beside_the_class_folders_is_named(tmp_path):
+    """`train/notes.txt` beside the class folders was left out without a word; it is
+    named in the prepare's one summary line, with why."""
+    from tests.test_faults import make_folder, prepare
+
+    make_folder(tmp_path / "pets", bad=False)
+    (tmp_path / "pets" / "train" / "notes.txt").write_text("where the photos came from\n")
+    out = prepare(tmp_path / "pets", tmp_path / "tfds")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (summary,) = [x for x in out.stdout.splitlines() if "left out" in x]
+    assert "left out 1 file(s), each with why: train/notes.txt (not in a class folder)" in summary
+
+
+def test_a_math_field_edited_in_the_record_is_named_as_an_edit(
+    tmp_path, fashion_mnist_dir, straight
+):
+    """base_lr edited in run_config.json: the run answered 'rerun with
+    --config.base_lr=0.2', and that rerun then rejected every checkpoint as another
+    run's. The checkpoints' stamp says which is right: the record was edited, and the
+    line says to restore or delete it; deleted, the same command resumes and ends with
+    the uninterrupted sha."""
+    workdir = tmp_path / "wd"
+    _cut_back(straight, workdir, 32)
+    record = workdir / "run_config.json"
+    record.write_text(record.read_text().replace('"base_lr": 0.1', '"base_lr": 0.2'))
+    out = run(workdir, fashion_mnist_dir, *LONGER)
+    assert out.returncode == 2, out.stderr[-3000:]
+    (line,) = error_lines(out.stderr)
+    assert "run_config.json was edited: its checkpoints carry this config's run" in line
+    assert "delete it (this config is then recorded)" in line
+    record.unlink()
+    again = run(workdir, fashion_mnist_dir, *LONGER)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert result(workdir)["params_sha256"] == result(straight)["params_sha256"]

@@ -47,7 +47,7 @@ class Scan:
         named = ", ".join(f"{p} ({why})" for p, why in self.skipped[:limit])
         more = f" and {len(self.skipped) - limit} more" if len(self.skipped) > limit else ""
         return (
-            f"{line}; left out {len(self.skipped)} file(s) that do not decode as images: "
+            f"{line}; left out {len(self.skipped)} file(s), each with why: "
             f"{named}{more} (all listed in {SOURCE_RECORD})"
         )
 
@@ -94,11 +94,18 @@ def scan(root: str | Path, workers: int | None = None) -> Scan:
     with ThreadPoolExecutor(workers or os.cpu_count()) as pool:  # PIL releases the GIL
         reasons = list(pool.map(lambda p: _undecodable(root / p), everything))
     errors = dict(zip(everything, reasons, strict=True))
+    # Files beside the class folders belong to no class: left out, and named.
+    loose = [
+        (f"{sub}/{f.name}", "not in a class folder")
+        for sub in SPLIT_DIRS.values()
+        for f in sorted((root / sub).iterdir())
+        if f.is_file()
+    ]
     found = Scan(
         root=root,
         classes=classes,
         files={s: [p for p in paths if errors[p] is None] for s, paths in listed.items()},
-        skipped=[(p, errors[p]) for p in everything if errors[p] is not None],
+        skipped=[(p, errors[p]) for p in everything if errors[p] is not None] + loose,
         fingerprint=digest.hexdigest(),
     )
     _check_classes(found)

@@ -4,6 +4,7 @@ matches the config, and that the data fits the config. Each failure is one line.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,12 +89,32 @@ def _check_workdir_shared(work: Path, lock: WorkdirLock | None) -> str:
     )
 
 
-def against_record(config: Any, work: Path, checkpoints: list[int], steps_per_epoch: int) -> None:
+def against_record(
+    config: Any,
+    work: Path,
+    checkpoints: list[int],
+    steps_per_epoch: int,
+    stamped: Callable[[int], str | None] = lambda step: None,
+) -> None:
     """The workdir's record of the config that defines its run, against this config
-    (record.check_resume); a fresh workdir records this one."""
+    (record.check_resume); a fresh workdir records this one. Where they differ but the
+    newest checkpoint is stamped (`stamped(step)`: its run identity) with this config's
+    identity, the record, not the config, is wrong: it was edited, and following its
+    advice would make every checkpoint another run's."""
     recorded = run_record.read_record(work)
     if checkpoints and recorded is not None:
-        run_record.check_resume(recorded, config, max(checkpoints), steps_per_epoch)
+        try:
+            run_record.check_resume(recorded, config, max(checkpoints), steps_per_epoch)
+        except ConfigError:
+            identity = run_record.run_identity(config)
+            if stamped(max(checkpoints)) != identity:
+                raise
+            raise ConfigError(
+                f"this workdir's {run_record.RECORD} was edited: its checkpoints carry this "
+                f"config's run identity ({identity[:12]}), not the record's: restore the "
+                "record from result.json's 'config', or delete it (this config is then "
+                "recorded), and rerun."
+            ) from None
     elif checkpoints:
         logging.warning(
             "%s has checkpoints but no %s: recording this config",

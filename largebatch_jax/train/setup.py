@@ -138,7 +138,9 @@ def build(config: Any, workdir: str | Path) -> tuple[Run, Any, Progress]:
         ckpt = Checkpointer(
             work / "checkpoints", config.keep_checkpoints, run_record.run_identity(config)
         )
-        checks.against_record(config, work, ckpt.steps(), data.steps_per_epoch)
+        checks.against_record(
+            config, work, ckpt.steps(), data.steps_per_epoch, ckpt.stamped_identity
+        )
         training = build_training(config, engine, data.steps_per_epoch)
         state, progress = _restore(ckpt, training.state, work)
         total = schedules.epochs_to_steps(config.num_epochs, data.steps_per_epoch)
