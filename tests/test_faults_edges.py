@@ -481,28 +481,6 @@ def test_a_config_file_that_is_not_utf8_text_is_one_line(tmp_path, kind, line):
     _refused(out, f"--config={config}: {config} {line}")
 
 
-def test_a_file_system_gone_read_only_mid_run_is_one_line(tmp_path, fashion_mnist_dir, straight):
-    """The workdir's file system remounted read-only after a disk error (ext4's
-    errors=remount-ro) mid-run: 67 lines, two chained OSErrors and an empty lock left.
-    Now one line, exit 2, naming the checkpoints kept; once the file system is writable
-    again the same command resumes and ends with the uninterrupted sha."""
-    with _ext4(tmp_path) as (image, mount, device):
-        workdir = mount / "wd"
-        proc = start(workdir, fashion_mnist_dir, *LONGER)
-        wait_for_checkpoint(proc, workdir, 16)
-        Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("mid-run\n")
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 2, err[-3000:]
-        assert "Traceback" not in err, err[-3000:]
-        lines = error_lines(err)
-        assert len(lines) == 1 and "became read-only" in lines[0], err[-3000:]
-        subprocess.run(["umount", str(mount)], check=True)
-        subprocess.run(["mount", "-o", "loop", str(image), str(mount)], check=True)
-        again = run(workdir, fashion_mnist_dir, *LONGER)
-        assert again.returncode == 0, again.stderr[-3000:]
-        assert result(workdir)["params_sha256"] == result(straight)["params_sha256"]
-
-
 def test_a_config_file_without_get_config_is_one_line_in_its_own_words(tmp_path):
     """A config file without get_config() was answered with ml_collections' internal
     module name and a quote lost (`module 'config_config' has no attribute

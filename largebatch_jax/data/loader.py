@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
-import signal
-import sys
+import os
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -306,17 +307,20 @@ def _iterate(batches: grain.MapDataset, threads: int, workers: int, prefetch: in
 
 
 def die_with_parent(worker_index: int = 0, worker_count: int = 0) -> None:
-    """In a decoding worker process: the kernel kills it when the process that started it
-    dies, however it dies (SIGKILL, the OOM killer), instead of leaving it, its memory
-    and its batches' shared memory behind (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    """In a decoding worker process: exit once the process that started it is gone,
+    however it died (SIGKILL, the OOM killer), instead of living on with its memory and
+    its batches' shared memory. A thread watches the parent's pid (Linux's
+    PR_SET_PDEATHSIG would fire when the parent's *thread* that started the worker ends,
+    which grain's threads do while the run goes on)."""
     del worker_index, worker_count
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
+    parent = os.getppid()
 
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="die_with_parent", daemon=True).start()
 
 
 def close_iterator(batches: Iterator | None) -> None:
