@@ -120,7 +120,7 @@ def _alive(pid: int) -> bool:
 def test_data_workers_die_with_their_parent(tmp_path, fashion_mnist_dir):
     """With workers > 0, a SIGKILL of the main process (as the OOM killer sends) left its
     grain worker processes alive indefinitely, with their memory and shared memory. Now
-    the kernel kills them with it."""
+    they exit within a second of it (each watches its parent's pid)."""
     workdir = tmp_path / "wd"
     proc = start(workdir, fashion_mnist_dir, "--config.workers=2", *LONGER)
     wait_for_checkpoint(proc, workdir, 8)

@@ -105,10 +105,11 @@ def against_record(
     if checkpoints and recorded is not None:
         try:
             run_record.check_resume(recorded, config, max(checkpoints), steps_per_epoch)
-        except ConfigError:
+        except ConfigError as e:
             identity = run_record.run_identity(config)
-            if stamped(max(checkpoints)) != identity:
-                raise
+            differs = str(e).startswith("the run in this workdir was trained with")
+            if not differs or stamped(max(checkpoints)) != identity:
+                raise  # a record of the wrong kind, or this config changes the math
             raise ConfigError(
                 f"this workdir's {run_record.RECORD} was edited: its checkpoints carry this "
                 f"config's run identity ({identity[:12]}), not the record's: restore the "
