@@ -22,9 +22,10 @@ from pathlib import Path
 
 # Gloo (JAX's CPU collectives across processes) prints a line to stdout each time a group
 # of devices connects ("[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of
-# connected peer ranks is : 7"), in pieces that the devices' threads interleave, leaving
-# fragments down to a bare number ("7").
-GLOO_NOISE = re.compile(r"\[Gloo\]|peer ranks|^\s*\d+\s*$")
+# connected peer ranks is : 7"), in pieces that the devices' threads interleave: a line
+# may hold any run of those pieces, down to a bare number ("7") or nothing at all (two
+# threads' line ends side by side: an empty line).
+GLOO_NOISE = re.compile(r"\[Gloo\]|peer ranks|is connected to|^\s*\d*\s*$")
 
 # The first line of JAX's abort (jax 0.10.2, XLA's coordination service and agent): the
 # service reports processes without heartbeats, the agent polls that error or finds the

@@ -430,7 +430,8 @@ def test_launcher_drops_gloo_lines_and_their_interleaved_pieces():
     noisy = (
         "[Gloo] Rank 1 is connected to 7 peer ranks. Expected number of connected peer "
         "ranks is : 7\n[Gloo] Rank 2 is connected to  peer ranks. Expected number of "
-        "connected peer ranks is : 7\n7\nstep 8/64\n 7 \nthe run's own line: 7 steps\n"
+        "connected peer ranks is : 7\n7\n\n5 is connected to 7\n"
+        "step 8/64\n 7 \nthe run's own line: 7 steps\n"
     )
     out = io.StringIO()
     launch._forward(io.StringIO(noisy), out, "[p1] ", threading.Lock())
