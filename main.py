@@ -12,6 +12,7 @@ a checkpoint saved; 1 a failed run (e.g. NaN loss); 2 bad config / data / workdi
 full disk, a workdir in use); 75 another process of the run is gone; 130 SIGINT.
 """
 
+import atexit
 import os
 import re
 import signal
@@ -56,7 +57,7 @@ signal.signal(signal.SIGTERM, _stopped_outside_the_loop)
 signal.signal(signal.SIGHUP, _stopped_outside_the_loop)
 signal.signal(signal.SIGINT, _interrupted_outside_the_loop)
 
-from largebatch_jax import host  # noqa: E402
+from largebatch_jax import errors, host  # noqa: E402
 
 # Before JAX loads: on a host without GPU or TPU, JAX starts no accelerator plugin, and
 # what the installed plugins print while loading is filtered out (largebatch_jax.host).
@@ -71,6 +72,7 @@ with host.plugin_noise_filtered():
     from largebatch_jax import workdir as wd
     from largebatch_jax.data.loader import UnreadableImageError
     from largebatch_jax.data.sources import DatasetNotPreparedError
+    from largebatch_jax.fields import FIELDS
     from largebatch_jax.metrics import filter_library_logs
     from largebatch_jax.validate import ConfigError, check_known_fields, unknown_field
 
@@ -165,9 +167,15 @@ def _done_line(result: dict, workdir: Path) -> str:
 
 
 def _stop(error: object, code: int) -> NoReturn:
-    """One `error:` line and the exit code (the table in docs/faults.md)."""
-    print(f"error: {error}", file=sys.stderr, flush=True)
-    sys.exit(code)
+    """One `error:` line and the exit code (the table in docs/faults.md), at once: Python's
+    exit handlers run (JAX's clean-up), but nothing waits for the threads of libraries,
+    which a save cut by the fault can leave waiting (orbax's signalling threads: up to
+    its 300 s coordination timeout, on a file system gone read-only)."""
+    errors.print_error(error)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _join() -> "cluster.Joined | None":
@@ -193,7 +201,10 @@ def _start_backend(config, workdir: Path, joined: "cluster.Joined | None") -> No
     if joined is not None:
         console.start(1, f"--drop={console.GLOO_NOISE.pattern}")
         console.start(
-            2, f"--rank={jax.process_index()}", f"--checkpoints={workdir / 'checkpoints'}"
+            2,
+            f"--rank={jax.process_index()}",
+            f"--checkpoints={workdir / 'checkpoints'}",
+            f"--heartbeat={_HEARTBEAT.value}",
         )
     platform = devices[0].platform
     unused = cluster.check_gpus_used(
@@ -256,6 +267,10 @@ def config_error(error: BaseException, argv: list[str]) -> str:
         field = typo[2] if typo else None
     if isinstance(error, AttributeError | KeyError) and field:
         return unknown_field(field, "--config.")
+    if isinstance(error, AttributeError | KeyError):  # no near field for ml_collections
+        unknown = [f for a in argv if (f := _overridden(a)) and f not in FIELDS]
+        if unknown:
+            return unknown_field(unknown[0], "--config.")
     spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
     if spec is not None and "has no attribute 'get_config" in text:
         return (
@@ -281,6 +296,12 @@ def config_error(error: BaseException, argv: list[str]) -> str:
             return f"--config={spec}: syntax error in {path} line {e.lineno}: {e.msg}."
     lines = [x.strip() for x in text.splitlines() if x.strip()]
     return f"{type(error).__name__}: {lines[-1] if lines else ''}"
+
+
+def _overridden(arg: str) -> str | None:
+    """The field an argument `--config.FIELD[.SUB]=VALUE` sets, or None."""
+    match = re.match(r"--config\.(\w+)", arg)
+    return match[1] if match else None
 
 
 def flag_error(text: str) -> str:
@@ -309,8 +330,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         message = flag_error(str(e))
     except Exception as e:  # whatever a config file or an override raises
         message = config_error(e, argv)
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    errors.fail(message, 2)
 
 
 _UNRAISABLE_SEEN: set[str] = set()

@@ -17,7 +17,9 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 # Gloo (JAX's CPU collectives across processes) prints a line to stdout each time a group
@@ -41,11 +43,27 @@ _LIST_END = re.compile(rb"^The tasks have crashed")
 _TASK = re.compile(rb"^\s*(?:/job:\S+/task:)?(\d+)\s*$")
 
 
-def abort_line(lost: list[int], checkpoints: Path | None) -> str:
-    """What the abort means, in one line: who is gone, and what a rerun does."""
+def abort_line(
+    lost: list[int], checkpoints: Path | None, paused: float = 0.0, heartbeat: int | None = None
+) -> str:
+    """What the abort means, in one line: who is gone, or that the whole job was paused
+    (`paused` seconds without running, at least half the heartbeat timeout), and what a
+    rerun does."""
     kept = _steps(checkpoints)
     where = f"checkpoints at steps {kept} in {checkpoints}" if checkpoints else "the checkpoints"
-    if lost:
+    advice = ""
+    if was_paused(paused, heartbeat):
+        limit = f"--heartbeat_timeout_seconds={heartbeat}" if heartbeat else "the heartbeat"
+        what = (
+            f"this job was paused for {paused:.0f} s (stopped by a signal, a scheduler's "
+            f"suspend or a paused VM), longer than its heartbeat allows ({limit}): JAX's "
+            "coordination service took its processes for dead"
+        )
+        advice = (
+            "; where jobs may be suspended, raise --heartbeat_timeout_seconds above the "
+            "longest pause"
+        )
+    elif lost:
         who = f"process {lost[0]}" if len(lost) == 1 else f"processes {lost}"
         what = (
             f"{who} of the run stopped sending heartbeats (--heartbeat_timeout_seconds): "
@@ -58,8 +76,41 @@ def abort_line(lost: list[int], checkpoints: Path | None) -> str:
         )
     return (
         f"error: {what}; JAX stopped the others; {where} are intact; rerun the same "
-        f"command to resume{f' from step {max(kept)}' if kept else ''}."
+        f"command to resume{f' from step {max(kept)}' if kept else ''}{advice}."
     )
+
+
+def was_paused(paused: float, heartbeat: int | None) -> bool:
+    """A stretch without running long enough to explain missed heartbeats: half the
+    timeout (the heartbeats before it may have been late), 5 s where it is not known."""
+    return paused >= (heartbeat / 2 if heartbeat else 5.0)
+
+
+class PauseWatch:
+    """The time this process last went without running: a thread wakes every TICK
+    seconds and measures on CLOCK_BOOTTIME, which goes on while a process is stopped
+    (SIGSTOP, SLURM's suspend) and while the machine sleeps. The filter is part of the
+    job, so a pause of the job stops it too."""
+
+    TICK = 0.5
+
+    def __init__(self) -> None:
+        self._pauses: list[tuple[float, float]] = []  # (when it ended, how long)
+        threading.Thread(target=self._watch, daemon=True, name="pause-watch").start()
+
+    def _watch(self) -> None:
+        last = time.clock_gettime(time.CLOCK_BOOTTIME)
+        while True:
+            time.sleep(self.TICK)
+            now = time.clock_gettime(time.CLOCK_BOOTTIME)
+            if now - last > 2 * self.TICK + 1.0:
+                self._pauses = [*self._pauses[-9:], (now, now - last - self.TICK)]
+            last = now
+
+    def recent(self, within: float) -> float:
+        """The longest pause that ended in the last `within` seconds (0 if none)."""
+        now = time.clock_gettime(time.CLOCK_BOOTTIME)
+        return max((length for end, length in self._pauses if now - end <= within), default=0.0)
 
 
 def _steps(checkpoints: Path | None) -> list[int]:
@@ -73,11 +124,14 @@ def filtered(
     drop: re.Pattern | None = None,
     rank: int | None = None,
     checkpoints: Path | None = None,
+    paused: Callable[[], float] = lambda: 0.0,
+    heartbeat: int | None = None,
 ) -> Iterator[bytes]:
     """`lines` without those `drop` matches; where JAX's abort begins (`rank` given), the
     rest is swallowed and, at the end, one line says it: from process 0 when the service
     names the processes it lost, from process 1 when the service itself (process 0) is
-    gone, so that one process of the run says it."""
+    gone, so that one process of the run says it; where the job was paused (`paused()`
+    seconds, against the `heartbeat` timeout), the line says so."""
     aborting, listing, lost = False, False, []
     for line in lines:
         if aborting:
@@ -94,7 +148,8 @@ def filtered(
         if drop is None or not drop.search(line.decode(errors="replace")):
             yield line
     if aborting and rank == (0 if lost else 1):
-        yield (abort_line(sorted(set(lost)), checkpoints) + "\n").encode()
+        line = abort_line(sorted(set(lost)), checkpoints, paused(), heartbeat)
+        yield (line + "\n").encode()
 
 
 def start(fd: int, *options: str) -> None:
@@ -122,10 +177,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drop", help="drop the lines this regular expression finds")
     parser.add_argument("--rank", type=int, help="this process's index: say JAX's abort")
     parser.add_argument("--checkpoints", type=Path, help="the run's checkpoints, to name them")
+    parser.add_argument("--heartbeat", type=int, help="the run's heartbeat timeout, seconds")
     args = parser.parse_args(argv)
     drop = re.compile(args.drop) if args.drop else None
     out = sys.stdout.buffer
-    for line in filtered(sys.stdin.buffer, drop, args.rank, args.checkpoints):
+    watch = PauseWatch() if args.rank is not None else None
+    # JAX aborts within a heartbeat timeout of the job's return: older pauses are not it.
+    paused = (lambda: watch.recent(2 * (args.heartbeat or 60))) if watch else (lambda: 0.0)
+    for line in filtered(
+        sys.stdin.buffer, drop, args.rank, args.checkpoints, paused, args.heartbeat
+    ):
         out.write(line)
         out.flush()
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import TextIO
 
+from largebatch_jax import errors
 from largebatch_jax.console import GLOO_NOISE
 
 
@@ -269,19 +270,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = argv[split + 1 :]
     for name in ("processes", "devices_per_process"):
         if not 1 <= getattr(args, name) <= MAX_LOCAL:
-            parser.exit(
-                2, f"error: --{name}={getattr(args, name)} must be from 1 to {MAX_LOCAL}.\n"
-            )
+            errors.fail(f"--{name}={getattr(args, name)} must be from 1 to {MAX_LOCAL}.")
     if args.grace < 0:
-        parser.exit(2, f"error: --grace={args.grace} must be >= 0.\n")
+        errors.fail(f"--grace={args.grace} must be >= 0.")
     if not command:
-        parser.exit(2, "error: no command after `--`.\n")
+        errors.fail("no command after `--`.")
     program = command[0]
     if not (program.endswith(".py") and Path(program).is_file()) and not shutil.which(program):
-        parser.exit(
-            2,
-            f"error: `{program}` after `--` is neither a program on the PATH nor a "
-            "Python script: check its name and path.\n",
+        errors.fail(
+            f"`{program}` after `--` is neither a program on the PATH nor a "
+            "Python script: check its name and path."
         )
     return launch(command, args.processes, args.devices_per_process, args.port, args.grace)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from largebatch_jax import errors
 from largebatch_jax.metrics import read_metrics
 from largebatch_jax.workdir import output_file_problem
 
@@ -73,12 +74,12 @@ def main() -> None:
     args = parser.parse_args()
     labels = args.labels.split(",") if args.labels else None
     if labels is not None and len(labels) != len(args.workdirs):
-        parser.exit(2, f"error: --labels names {len(labels)} runs, not {len(args.workdirs)}.\n")
+        errors.fail(f"--labels names {len(labels)} runs, not {len(args.workdirs)}.")
     problem = output_file_problem("--out", args.out, (".png", ".pdf", ".svg", ".jpg")) or (
         check_workdirs(args.workdirs)
     )
     if problem:
-        parser.exit(2, f"error: {problem}\n")
+        errors.fail(problem)
     print(plot_runs(args.workdirs, args.out, labels, args.title))
 
 

@@ -2,8 +2,11 @@
 and gloo printed here: a process lost by its heartbeats (seen by process 0, which runs the
 coordination service), process 0 itself lost (seen by process 1), gloo's lines."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 from largebatch_jax import console
 from tests.runs import ROOT
@@ -102,3 +105,47 @@ def test_gloo_lines_and_their_pieces_are_dropped_through_the_child_process():
     )
     assert child.returncode == 0, child.stderr
     assert child.stdout == "done: top-1 error 0.68\npreempted: step 7\n"
+
+
+def test_a_whole_job_paused_past_its_heartbeat_is_named_as_a_pause(tmp_path):
+    """Every process stopped for 90 s (SLURM's suspend, a VM pause) with a 60 s heartbeat:
+    JAX's service takes the processes for dead, and the line says the job was paused and
+    what to raise; a shorter stretch without running is not taken for the cause."""
+    (tmp_path / "8").mkdir()
+    lines = HEARTBEATS.encode().splitlines(keepends=True)
+    out = b"".join(console.filtered(lines, None, 0, tmp_path, lambda: 90.4, 60)).decode()
+    assert out.splitlines()[-1] == (
+        "error: this job was paused for 90 s (stopped by a signal, a scheduler's suspend or a "
+        "paused VM), longer than its heartbeat allows (--heartbeat_timeout_seconds=60): JAX's "
+        "coordination service took its processes for dead; JAX stopped the others; "
+        f"checkpoints at steps [8] in {tmp_path} are intact; rerun the same command to resume "
+        "from step 8; where jobs may be suspended, raise --heartbeat_timeout_seconds above the "
+        "longest pause."
+    )
+    out = b"".join(console.filtered(lines, None, 0, tmp_path, lambda: 20.0, 60)).decode()
+    assert "process 1 of the run stopped sending heartbeats" in out.splitlines()[-1]
+
+
+def test_the_pause_watch_measures_a_stop_of_its_process():
+    """PauseWatch in a child stopped by SIGSTOP for 3 s: it reports the pause (to within
+    its tick), and nothing where the child ran without a stop."""
+    code = (
+        "import sys, time; from largebatch_jax.console import PauseWatch; w = PauseWatch(); "
+        "print('ready', flush=True); sys.stdin.readline(); time.sleep(1.0); "
+        "print(round(w.recent(60), 1), flush=True)"
+    )
+    for stop in (0.0, 3.0):
+        child = subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout.readline() == "ready\n"
+        if stop:
+            os.kill(child.pid, signal.SIGSTOP)
+            time.sleep(stop)
+            os.kill(child.pid, signal.SIGCONT)
+        out, _ = child.communicate("go\n", timeout=60)
+        assert (stop - 0.6 <= float(out) <= stop + 0.6) if stop else float(out) == 0.0, out

@@ -227,6 +227,25 @@ def _ext4(tmp_path: Path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def _stop_writing_at(step: int, workdir: Path, data_dir, device: str) -> subprocess.Popen:
+    """The smoke run (LONGER) in `workdir`, its file system made to stop writing (ext4's
+    trigger_fs_error: remounted read-only, as after a disk error or a crash) once
+    checkpoint `step` appears."""
+    proc = start(workdir, data_dir, *LONGER)
+    wait_for_checkpoint(proc, workdir, step)
+    Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text(f"stop at {step}\n")
+    return proc
+
+
+def _rerun_once_writable(image: Path, mount: Path, workdir: Path, data_dir):
+    """The file system mounted writable again, and the same command run to its end."""
+    subprocess.run(["umount", str(mount)], check=True)
+    subprocess.run(["mount", "-o", "loop", str(image), str(mount)], check=True)
+    out = run(workdir, data_dir, *LONGER)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
 def test_a_machine_crash_leaves_the_checkpoints_saved_before_it_readable(
     tmp_path, fashion_mnist_dir, straight
 ):
@@ -238,17 +257,31 @@ def test_a_machine_crash_leaves_the_checkpoints_saved_before_it_readable(
     the uninterrupted run's params_sha256."""
     with _ext4(tmp_path) as (image, mount, device):
         workdir = mount / "wd"
-        proc = start(workdir, fashion_mnist_dir, *LONGER)
-        wait_for_checkpoint(proc, workdir, 40)
-        Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("crash\n")
+        proc = _stop_writing_at(40, workdir, fashion_mnist_dir, device)
         proc.kill()  # it may have stopped on the read-only file system already
         proc.communicate()
-        subprocess.run(["umount", str(mount)], check=True)
-        subprocess.run(["mount", "-o", "loop", str(image), str(mount)], check=True)
-        out = run(workdir, fashion_mnist_dir, *LONGER)
-        assert out.returncode == 0, out.stderr[-3000:]
+        out = _rerun_once_writable(image, mount, workdir, fashion_mnist_dir)
         resumed = re.search(r"resuming at step (\d+)", out.stderr)
         assert resumed and int(resumed[1]) >= 32, out.stderr[-3000:]
+        assert result(workdir)["params_sha256"] == result(straight)["params_sha256"]
+
+
+def test_a_file_system_gone_read_only_mid_run_is_one_line(tmp_path, fashion_mnist_dir, straight):
+    """The workdir's file system remounted read-only after a disk error (ext4's
+    errors=remount-ro) mid-run: 67 lines, two chained OSErrors and an empty lock left;
+    and, once that was one line, a process that did not exit (orbax's signalling threads
+    of the cut save wait 300 s). Now one line, exit 2 at once, naming the checkpoints
+    kept; once the file system is writable again the same command resumes and ends with
+    the uninterrupted run's params_sha256."""
+    with _ext4(tmp_path) as (image, mount, device):
+        workdir = mount / "wd"
+        proc = _stop_writing_at(16, workdir, fashion_mnist_dir, device)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        (line,) = error_lines(err)
+        assert f"the file system of --workdir={workdir} became read-only" in line, line
+        _rerun_once_writable(image, mount, workdir, fashion_mnist_dir)
         assert result(workdir)["params_sha256"] == result(straight)["params_sha256"]
 
 
@@ -529,3 +562,88 @@ def test_a_math_field_edited_in_the_record_is_named_as_an_edit(
     again = run(workdir, fashion_mnist_dir, *LONGER)
     assert again.returncode == 0, again.stderr[-3000:]
     assert result(workdir)["params_sha256"] == result(straight)["params_sha256"]
+
+
+BIG = "9" * 100_000  # a value pasted by mistake
+
+
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["main.py", f"--config.batch_size={BIG}"], "--config.batch_size=999"),
+        (["main.py", f"--config.model={BIG}"], "config.model='999"),
+        (["main.py", f"--config.decay_epochs=({BIG},)"], "--config.decay_epochs=(999"),
+        (
+            ["-m", "largebatch_jax.launch", "--processes=1", "--devices_per_process=1", "--", BIG],
+            "`999",
+        ),
+        (
+            ["-m", "largebatch_jax.plot", "w", f"--out=/nonexistent/{BIG}.png"],
+            "--out=/nonexistent/999",
+        ),
+    ],
+    ids=["int_field", "choice_field", "tuple_field", "launch_program", "plot_out"],
+)
+def test_a_huge_value_is_shown_by_its_ends_in_one_short_line(tmp_path, args, named):
+    """A 100 KB value made a 100-300 KB error line (thousands of screen lines), repeated up
+    to three times: each error line now shows it by its start, its end and its length."""
+    if args[0] == "main.py":
+        args = [*args[:1], "--config=configs/smoke.py", f"--workdir={tmp_path}", *args[1:]]
+    out = call([sys.executable, *args], timeout=120)
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    (line,) = error_lines(out.stderr)
+    assert named in line and "...(100,0" in line and len(line) < 800, line[:1000]
+
+
+def test_an_unknown_field_on_the_command_line_without_a_near_one_is_named(tmp_path):
+    """`--config.label_smoothing=0.1` (no field is near it) said `AttributeError:
+    label_smoothing`: now the line that a typo gets, without the guess."""
+    out = call(
+        [
+            sys.executable,
+            "main.py",
+            "--config=configs/smoke.py",
+            f"--workdir={tmp_path}",
+            "--config.label_smoothing=0.1",
+        ],
+        timeout=120,
+    )
+    _refused(
+        out,
+        "--config.label_smoothing: the config has no field 'label_smoothing'; the fields are "
+        "in configs/base.py.",
+    )
+
+
+def _process_tree(pid: int) -> list[int]:
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [pid, *(p for c in children.split() for p in _process_tree(int(c)))]
+
+
+def test_a_whole_job_paused_past_its_heartbeat_says_so_and_resumes(
+    tmp_path, fashion_mnist_dir, straight
+):
+    """Every process of a 2-process job stopped past the heartbeat timeout (SLURM's
+    suspend, a VM pause; here SIGSTOP for 15 s against 6 s): JAX's service takes them
+    for dead and aborts them, which printed 176 lines and no word of a pause. Now one
+    line names the pause and the flag to raise; the checkpoints are intact, and the same
+    command then ends with the uninterrupted run's params_sha256."""
+    flags = (*LONGER, "--heartbeat_timeout_seconds=6")
+    proc = start(tmp_path, fashion_mnist_dir, *flags, processes=2, devices=4)
+    wait_for_checkpoint(proc, tmp_path, 8)
+    job = _process_tree(proc.pid)
+    for pid in job:
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(15)
+    for pid in job:
+        os.kill(pid, signal.SIGCONT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 134, err[-3000:]  # 128 + SIGABRT: JAX aborts the processes
+    lines = [x.removeprefix("[p0] ").removeprefix("[p1] ") for x in err.splitlines()]
+    (line,) = error_lines("\n".join(lines))
+    assert re.match(r"error: this job was paused for 1[4-6] s \(", line), line
+    assert "(--heartbeat_timeout_seconds=6)" in line and "rerun the same command" in line
+    assert not [x for x in lines if "Traceback" in x or "Fatal Python" in x or "@ " in x]
+    again = run(tmp_path, fashion_mnist_dir, *flags, processes=2, devices=4)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert result(tmp_path)["params_sha256"] == result(straight)["params_sha256"]

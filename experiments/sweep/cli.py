@@ -24,6 +24,7 @@ from experiments.sweep.grid import (
 )
 from experiments.sweep.runs import check_devices, collect, run_one
 from experiments.sweep.tables import write_tables
+from largebatch_jax import errors
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot is not None and args.plot not in [f for f, _ in grid]:
             raise SweepError(f"--plot={args.plot} is not one of the --grid fields.")
     except SweepError as e:
-        print(f"error: {e}", file=sys.stderr)
+        errors.print_error(e)
         return 2
     devices = args.devices or None
     fields, runs = _plan(args, defaults, grid, fixed, extras, devices)
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 record_it=not (args.dry_run or args.collect_only),
             )
     except SweepError as e:
-        print(f"error: {e}", file=sys.stderr)
+        errors.print_error(e)
         return 2
     preempted = _train(args, runs, devices)
     if args.dry_run:

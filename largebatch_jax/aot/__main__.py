@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from largebatch_jax import host
+from largebatch_jax import errors, host
 
 # This host compiles, it runs nothing: JAX starts only its CPU backend. Before jax and
 # libtpu load.
@@ -186,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         jax.config.update("jax_enable_compilation_cache", False)
         problem = _JSON.value and output_file_problem("--json", _JSON.value)
         if problem:  # before the compile, not after it
-            print(f"error: {problem}", file=sys.stderr, flush=True)
+            errors.print_error(problem)
             return 2
         try:
             return run(
@@ -198,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 _PTXAS.value,
             )
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            errors.print_error(e)
             return 2
 
     app.run(lambda args: sys.exit(_main(args)), argv)

@@ -20,7 +20,7 @@ from typing import NoReturn
 
 from absl import app, flags
 
-from largebatch_jax import host
+from largebatch_jax import errors, host
 from largebatch_jax.data import sources
 from largebatch_jax.lock import WorkdirError, WorkdirLock
 from largebatch_jax.metrics import filter_library_logs
@@ -74,8 +74,7 @@ def main(argv):
 
 
 def _fail(error: BaseException) -> NoReturn:
-    print(f"error: {error}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    errors.fail(error, 2)
 
 
 class _PrepareLock(WorkdirLock):

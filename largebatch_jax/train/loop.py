@@ -7,13 +7,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import sys
 from typing import Any
 
 import jax
 from absl import logging
 
-from largebatch_jax import lock, parallel, schedules
+from largebatch_jax import errors, lock, parallel, schedules
 from largebatch_jax.metrics import TrainClock
 from largebatch_jax.train.errors import LOST_PROCESS_EXIT, first_line, lost_processes
 from largebatch_jax.train.feed import InputFeed
@@ -142,7 +141,7 @@ def stop_for_lost_processes(run: Run, silent: list[int], answered: list[int]) ->
             run.checkpointer.steps(),
             run.checkpointer.directory,
         )
-        print(f"error: {line}", file=sys.stderr, flush=True)
+        errors.print_error(line)
     lock.release_held()
     os._exit(LOST_PROCESS_EXIT)
 
