@@ -1,20 +1,31 @@
-# Two entry points for a fresh machine: `make demo` (install, prepare Fashion-MNIST, train
-# the main job: ResNet-8 on Fashion-MNIST with the paper's recipe, a few CPU minutes) and
-# `make test` (install + lint + the test suite on 8 fake CPU devices).
+# Two entry points for a fresh machine: `make demo` (the package's install, prepare
+# Fashion-MNIST, train the main job: ResNet-8 on Fashion-MNIST with the paper's recipe, a
+# few CPU minutes) and `make test` (the tests' install on top, lint, the test suite on 8
+# fake CPU devices).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # pytest processes: one per core, at most 4 (each test's runs use 8 fake devices).
 TEST_PROCESSES ?= $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)
 
-.PHONY: install data demo test lint wheels
+.PHONY: install install-test data demo test lint wheels
 
+# Two installs into one venv, each pinned to the versions CI tested (constraints.txt):
+# the demo's (the package alone: what `make demo` and a user's run need), then the tests'
+# on top (pytest, ruff, the notebook kernel, mpi4py, and the TPU and GPU compilers the
+# compile tests use: libtpu and JAX's CUDA plugin, Linux wheels of ~1.3 GB).
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,tpu,gpu-compiler]'
+	$(BIN)/pip install --quiet -c constraints.txt -e .
+	touch $@
+
+install-test: $(VENV)/.installed-test
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,tpu,gpu-compiler]'
 	touch $@
 
 data:
@@ -25,7 +36,7 @@ demo: install data
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(BIN)/python main.py \
 	  --config=configs/fashion_mnist.py --workdir=workdirs/fashion_mnist
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 

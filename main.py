@@ -9,7 +9,9 @@ from the newest checkpoint in the workdir; rerunning a finished run prints its r
 once. Under SLURM, MPI or on a Cloud TPU slice every process runs the same command
 (docs/many_machines.md). Exit codes (docs/faults.md): 0 done, or preempted by SIGTERM with
 a checkpoint saved; 1 a failed run (e.g. NaN loss); 2 bad config / data / workdir (also a
-full disk, a workdir in use); 75 another process of the run is gone; 130 SIGINT.
+full disk, a workdir in use); 75 another process of the run is gone; 130 SIGINT; 134
+JAX's abort of a multi-process run (a process silent past the heartbeat: dead, or the
+whole job paused).
 """
 
 import atexit
@@ -162,7 +164,7 @@ def main(argv):
 def _done_line(result: dict, workdir: Path) -> str:
     return (
         f"{train.result.summary(result)}; results in {workdir}/result.json; curves: "
-        f"tensorboard --logdir {workdir}"
+        f"tensorboard --logdir {workdir}, or python -m largebatch_jax.plot {workdir}"
     )
 
 

@@ -243,30 +243,40 @@ def launch(
     return code if code > 0 else 128 - code
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        print(
-            "error: put the command after `--`, e.g. python -m largebatch_jax.launch "
-            "--processes 2 --devices_per_process 4 -- main.py --config=... --workdir=...",
-            file=sys.stderr,
-        )
-        return 2
-    split = argv.index("--")
-    parser = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    """The launcher's command line."""
+    p = argparse.ArgumentParser(
         prog="python -m largebatch_jax.launch",
-        description="Run a command as N JAX processes x M CPU devices on this machine.",
+        usage="%(prog)s --processes N --devices_per_process M [--port P] [--grace S] -- "
+        "COMMAND [ARG ...]",
+        description="Run a command as N JAX processes x M CPU devices on this machine "
+        "(a multi-process run without a cluster: the tests, a laptop).",
+        epilog="e.g. python -m largebatch_jax.launch --processes 2 --devices_per_process 4 "
+        "-- main.py --config=configs/smoke.py --workdir=/tmp/smoke",
     )
-    parser.add_argument("--processes", type=int, required=True)
-    parser.add_argument("--devices_per_process", type=int, required=True)
-    parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
-    parser.add_argument(
+    p.add_argument("--processes", type=int, required=True, help="JAX processes to start")
+    p.add_argument(
+        "--devices_per_process", type=int, required=True, help="fake CPU devices per process"
+    )
+    p.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+    p.add_argument(
         "--grace",
         type=float,
         default=10.0,
         help="seconds the others get to stop after one process fails, before they are killed",
     )
-    args = parser.parse_args(argv[:split])
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv and not {"-h", "--help"} & set(argv):
+        errors.fail(
+            "put the command after `--`, e.g. python -m largebatch_jax.launch --processes 2 "
+            "--devices_per_process 4 -- main.py --config=... --workdir=..."
+        )
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser().parse_args(argv[:split])  # --help prints the usage and exits 0
     command = argv[split + 1 :]
     for name in ("processes", "devices_per_process"):
         if not 1 <= getattr(args, name) <= MAX_LOCAL:

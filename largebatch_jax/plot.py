@@ -65,13 +65,20 @@ def plot_runs(
     return out
 
 
+def parser() -> argparse.ArgumentParser:
+    """The plot command's line."""
+    p = argparse.ArgumentParser(
+        prog="python -m largebatch_jax.plot", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("workdirs", nargs="+", help="the runs' workdirs (each with metrics.jsonl)")
+    p.add_argument("--out", default="curves.png", help="the figure's file: .png, .pdf, .svg, .jpg")
+    p.add_argument("--labels", default="", help="comma-separated, one per workdir")
+    p.add_argument("--title", default="", help="the figure's title")
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("workdirs", nargs="+")
-    parser.add_argument("--out", default="curves.png")
-    parser.add_argument("--labels", default="", help="comma-separated, one per workdir")
-    parser.add_argument("--title", default="")
-    args = parser.parse_args()
+    args = parser().parse_args()
     labels = args.labels.split(",") if args.labels else None
     if labels is not None and len(labels) != len(args.workdirs):
         errors.fail(f"--labels names {len(labels)} runs, not {len(args.workdirs)}.")

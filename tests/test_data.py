@@ -19,7 +19,7 @@ from largebatch_jax.data import idx, loader, photos, sources, transforms
 from largebatch_jax.data import jpeg as jpeg_lib
 from largebatch_jax.data.photos import photo_jpeg
 from largebatch_jax.models import create_model
-from tests.runs import prepare_with_a_bad_record, run
+from tests.runs import call, foreign_lines, prepare_with_a_bad_record, run
 
 # ----------------------------------------------------------------------- Remark 4
 
@@ -627,3 +627,25 @@ def test_imagenet_config_arguments():
     assert tuple(c.decay_epochs) == (30.0, 60.0, 85.0)
     with pytest.raises(ValueError, match="unknown field 'batchsize'"):
         imagenet.get_config("batchsize=8192")
+
+
+@pytest.mark.slow
+def test_prepare_prints_its_own_lines_only(tmp_path):
+    """`prepare fashion_mnist` as the demo runs it: its two lines, none of TensorFlow's
+    start-up banners (9 lines: oneDNN, the CUDA stub, absl's "before InitializeLog"),
+    which TF_CPP_MIN_LOG_LEVEL does not stop."""
+    out = call(
+        [
+            sys.executable,
+            "-m",
+            "largebatch_jax.data.prepare",
+            "fashion_mnist",
+            f"--data_dir={tmp_path}",
+        ],
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert foreign_lines(out.stdout + out.stderr) == [], out.stdout + out.stderr
+    assert (
+        out.stdout.splitlines()[-1] == f"prepared fashion_mnist in {tmp_path}/fashion_mnist/3.0.1"
+    )

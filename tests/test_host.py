@@ -1,5 +1,5 @@
 """A CPU host: main.py starts no accelerator plugin and prints none of their noise, even
-with libtpu and the CUDA plugin installed (make install puts both there; the smoke run of
+with libtpu and the CUDA plugin installed (make test's install puts both there; the smoke run of
 test_main checks a whole run's output), and it says in one line when an ImageNet-size run
 is about to train on CPU devices only."""
 
@@ -59,7 +59,7 @@ def test_cpu_only_warning_names_the_install_for_the_hardware():
 
 
 def test_both_plugins_are_installed_where_ci_requires_them():
-    """make install puts libtpu and the CUDA plugin in the venv, so that the runs of the
+    """make test's install puts libtpu and the CUDA plugin in the venv, so that the runs of the
     tests (test_main's smoke run, the one below) show that their noise is gone."""
     if os.environ.get("REQUIRE_GPU_COMPILER") != "1":
         return

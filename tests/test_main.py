@@ -51,7 +51,7 @@ EVAL_KEYS = {"step", "epoch", "val_error_top1", "val_error_top5", "val_loss"}
 
 
 def test_smoke_end_to_end(tmp_path, fashion_mnist_dir):
-    """As a user runs it (JAX_PLATFORMS unset), after `make install` (libtpu and the CUDA
+    """As a user runs it (JAX_PLATFORMS unset), after `make test`'s install (libtpu and the CUDA
     plugin installed): it trains, and prints the project's lines only."""
     started = time.time()
     # Two grain worker processes: their shared memory is unlinked before exit (no
@@ -259,20 +259,28 @@ def test_fashion_mnist_config_learns_on_real_data(tmp_path, fashion_mnist_dir):
     assert evals[-1]["val_count"] == 10_000
 
 
-def test_done_line_names_both_errors():
-    """The last line tells the final error from the paper's metric (rule 14)."""
-    line = train.result.summary(
-        {
-            "skipped_steps": 0,
-            "steps": 32,
-            "final_val_error_top1": 0.68,
-            "val_error_top1_median_last_epochs": 0.725,
-            "last_epochs": 2.0,
-        }
+def test_done_line_names_both_errors_in_percent_and_the_time():
+    """The last line gives the paper's metric (rule 14) and the final error in percent, as
+    the README does, in plain grammar, with the wall and training times."""
+    result = {
+        "skipped_steps": 0,
+        "steps": 32,
+        "final_val_error_top1": 0.68,
+        "val_error_top1_median_last_epochs": 0.725,
+        "last_epochs": 2.0,
+        "wall_seconds_this_session": 178.4,
+        "train_seconds": 100.2,
+        "train_seconds_this_session": 100.2,
+    }
+    assert train.result.summary(result) == (
+        "done: top-1 error 72.50% by the paper's metric (the median of the last 2 epochs' "
+        "evaluations), 68.00% after the last epoch; 2 min 58 s wall time, 1 min 40 s training"
     )
-    assert line == (
-        "done: top-1 error 0.68 after the last epoch, 0.725 by the paper's metric "
-        "(the median of the last 2 epochs' evaluations)"
+    one = {**result, "last_epochs": 1, "train_seconds_this_session": 40.0, "train_seconds": 4000}
+    assert train.result.summary(one) == (
+        "done: top-1 error 72.50% by the paper's metric (the median of the last epoch's "
+        "evaluations), 68.00% after the last epoch; 2 min 58 s wall time this session, "
+        "1 h 06 min training over every session"
     )
 
 

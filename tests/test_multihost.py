@@ -451,7 +451,9 @@ def test_launcher_environment_and_command():
         "--num_processes=2",
         "--process_id=1",
     ]
-    assert launch.main(["--processes=2", "--devices_per_process=4"]) == 2  # no `--`
+    with pytest.raises(SystemExit) as no_command:  # no `--`: one line, exit 2
+        launch.main(["--processes=2", "--devices_per_process=4"])
+    assert no_command.value.code == 2
 
 
 def test_mesh_is_process_major():

@@ -43,6 +43,8 @@ def main(argv):
     if name == "image_folder" and FLAGS.name:
         name = sources.FOLDER_PREFIX + FLAGS.name
     host.quiet_native_logs()  # before TensorFlow loads (tfds imports it): its INFO banners
+    with host.plugin_noise_filtered():  # the banners TF_CPP_MIN_LOG_LEVEL does not stop
+        import tensorflow  # noqa: F401  (tfds loads it later: loaded here, its lines filtered)
     filter_library_logs()
     data_dir = os.path.expanduser(FLAGS.data_dir or sources.default_data_dir())
     out = sys.stdout

@@ -113,23 +113,47 @@ def finished_in(workdir: Path, config: Any) -> dict | None:
 
 
 def summary(result: dict) -> str:
-    """The run's two errors: after its last epoch, and by the paper's metric (rule 14)."""
+    """The run's headline: the paper's metric (rule 14) and the error after the last
+    epoch, in percent, and how long the run took (wall time and training time)."""
     skipped = result.get("skipped_steps", 0)
     done = f"done, {skipped} of {result['steps']} updates skipped (non-finite)"
     final, metric = result["final_val_error_top1"], result["val_error_top1_median_last_epochs"]
-    last = f"the last {result['last_epochs']:g} epochs"
+    epochs = result["last_epochs"]
+    last = "the last epoch" if epochs == 1 else f"the last {epochs:g} epochs"
+    last_s = "the last epoch's" if epochs == 1 else f"the last {epochs:g} epochs'"
+    parts = [
+        f"{metric:.2%} by the paper's metric (the median of {last_s} evaluations)"
+        if metric is not None
+        else f"no evaluation in {last} for the paper's metric",
+        "no evaluation after the last epoch"
+        if final is None
+        else f"{final:.2%} after the last epoch",
+    ]
+    missing = result.get("evaluations_missing")
+    text = f"{done if skipped else 'done'}: top-1 error " + ", ".join(parts)
+    if missing:
+        text += f" (without the evaluations at epochs {missing}, missing from metrics.jsonl)"
+    return text + _took(result)
+
+
+def _took(result: dict) -> str:
+    """'; 2 min 58 s wall time, 1 min 40 s training' (this session's wall time; the
+    training time of every session, said so where the run was resumed)."""
+    wall, train = result.get("wall_seconds_this_session"), result.get("train_seconds")
+    if wall is None or train is None:
+        return ""
+    resumed = result.get("train_seconds_this_session", train) < train - 0.5
     return (
-        f"{done if skipped else 'done'}: top-1 error "
-        + ("(no evaluation)" if final is None else f"{final:.4g} after the last epoch")
-        + (
-            f", {metric:.4g} by the paper's metric (the median of {last}' evaluations)"
-            if metric is not None
-            else f"; no evaluation in {last} for the paper's metric"
-        )
-        + (
-            f" (without the evaluations at epochs {result['evaluations_missing']}, missing from "
-            "metrics.jsonl)"
-            if result.get("evaluations_missing")
-            else ""
-        )
+        f"; {duration(wall)} wall time{' this session' if resumed else ''}, "
+        f"{duration(train)} training{' over every session' if resumed else ''}"
     )
+
+
+def duration(seconds: float) -> str:
+    """42 s, 2 min 58 s, 1 h 02 min."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
