@@ -8,11 +8,6 @@ BIN := $(VENV)/bin
 # pytest processes: one per core, at most 4 (each test's runs use 8 fake devices).
 TEST_PROCESSES ?= $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)
 
-# An editable install as a path entry to the checkout (setuptools' compat mode): the flat
-# layout's packages (largebatch_jax, configs) import from it, and setuptools prints no
-# notice about its import hook.
-EDITABLE := --config-settings editable_mode=compat -e
-
 .PHONY: install install-test data demo test lint wheels
 
 # Two installs into one venv, each pinned to the versions CI tested (constraints.txt):
@@ -24,13 +19,13 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt $(EDITABLE) .
+	$(BIN)/pip install --quiet -c constraints.txt -e .
 	touch $@
 
 install-test: $(VENV)/.installed-test
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install --quiet -c constraints.txt $(EDITABLE) '.[dev,tpu,gpu-compiler]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,tpu,gpu-compiler]'
 	touch $@
 
 data:
