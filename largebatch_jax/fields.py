@@ -16,10 +16,21 @@ from typing import Any
 
 import ml_collections
 
-from largebatch_jax import parallel, schedules
-from largebatch_jax.models.resnet import CONV_IMPLS, DTYPES, MODEL_NAMES
-from largebatch_jax.optim import OPTIMIZERS, UPDATE_FORMS
-from largebatch_jax.step import REDUCTIONS
+# The choices of the fields that name code, listed here so that the table (and a config
+# file) loads without JAX; tests/test_configs.py checks each against the code's own list.
+MODEL_NAMES = tuple(
+    f"resnet{d}" for d in (18, 34, 50, 101, 152, 8, 20, 32, 56)
+)  # models.resnet.MODEL_NAMES
+DTYPES = ("float32", "bfloat16", "float16")  # models.resnet.DTYPES
+CONV_IMPLS = ("xla", "matmul")  # models.resnet.CONV_IMPLS
+OPTIMIZERS = ("sgd", "lars")  # optim.OPTIMIZERS
+UPDATE_FORMS = ("optax", "caffe2")  # optim.UPDATE_FORMS
+REDUCTIONS = ("fast", "exact")  # step.REDUCTIONS
+ACCUM_LOOPS = ("scan", "unroll")  # parallel.ACCUM_LOOPS
+PARALLELISMS = ("shard_map", "pmap")  # parallel.PARALLELISMS
+LR_SCALING_RULES = ("linear", "sqrt", "none")  # schedules.LR_SCALING_RULES
+WARMUP_KINDS = ("gradual", "constant", "none")  # schedules.WARMUP_KINDS
+DECAY_KINDS = ("step", "cosine")  # schedules.DECAY_KINDS
 
 # Roles. MATH: enters the updates, so a resume must keep it (num_epochs may grow while the
 # learning rate of every step trained stays the same: record.check_resume). LAYOUT: how
@@ -100,8 +111,8 @@ FIELDS: dict[str, Field] = {
     "accum_loop": Field(
         "auto",
         (str,),
-        lambda v: v == "auto" or v in parallel.ACCUM_LOOPS,
-        f"'auto' or one of {parallel.ACCUM_LOOPS}",
+        lambda v: v == "auto" or v in ACCUM_LOOPS,
+        f"'auto' or one of {ACCUM_LOOPS}",
         LAYOUT,
     ),
     "bn_momentum": Field(0.9, (float,), lambda v: 0 <= v < 1, "in [0, 1)", MATH),
@@ -115,14 +126,14 @@ FIELDS: dict[str, Field] = {
     # Learning-rate schedule (rules 1-3).
     "base_lr": Field(0.1, NUMBER, _positive, "> 0", MATH),
     "base_batch_size": _count(256),
-    "lr_scaling": _choice("linear", schedules.LR_SCALING_RULES),
+    "lr_scaling": _choice("linear", LR_SCALING_RULES),
     # The peak rate is rule 1's times this (1 = the paper); > 1 only to test how large a
     # rate warmup makes usable (experiments/RESULTS.md).
     "lr_multiplier": Field(1.0, NUMBER, _positive, "> 0", MATH, before=1.0),
     # Only when batch_size > base_batch_size.
-    "warmup": _choice("gradual", schedules.WARMUP_KINDS),
+    "warmup": _choice("gradual", WARMUP_KINDS),
     "warmup_epochs": Field(5.0, NUMBER, _non_negative, ">= 0", MATH),
-    "lr_decay": _choice("step", schedules.DECAY_KINDS),
+    "lr_decay": _choice("step", DECAY_KINDS),
     "decay_epochs": Field((30.0, 60.0, 80.0), None, None, "", MATH),
     "decay_factor": Field(0.1, (float,), lambda v: 0 < v <= 1, "in (0, 1]", MATH),
     "num_epochs": Field(90.0, NUMBER, lambda v: 0 < v <= MAX_EPOCHS, f"in (0, {MAX_EPOCHS}]", MATH),
@@ -172,7 +183,7 @@ FIELDS: dict[str, Field] = {
     # JAX_COMPILATION_CACHE_DIR says): a resumed or requeued run loads its programs.
     "compilation_cache": _flag(True, HOST),
     # Engine.
-    "parallelism": _choice("shard_map", parallel.PARALLELISMS, LAYOUT),
+    "parallelism": _choice("shard_map", PARALLELISMS, LAYOUT),
     # Batches put on the devices ahead of the step, from a background thread (0: none).
     # Measured on CPU (python -m experiments.benchmark --input=real): no gain, so off by default.
     "prefetch_batches": _count(0, LAYOUT, minimum=0),

@@ -2,12 +2,14 @@
 (`python -m experiments.sweep`)."""
 
 import importlib.util
+import subprocess
 import sys
 
 import pytest
 
 from configs import base, imagenet
 from configs.overrides import apply_overrides, flag_spelling, parse_value
+from largebatch_jax import fields
 from tests.runs import ROOT
 
 
@@ -120,3 +122,37 @@ def test_the_field_table_is_the_one_list_the_others_derive_from():
     config.reduction = "slow"
     with pytest.raises(validate.ConfigError, match=r"config.reduction='slow' must be one of"):
         validate.validate_fields(config)
+
+
+def test_the_tables_choices_are_the_codes_own():
+    """fields.py lists the choices of the fields that name code itself (the table loads
+    without JAX); each list is the one the code dispatches on."""
+    from largebatch_jax import optim, parallel, schedules, step
+    from largebatch_jax.models import resnet
+
+    assert fields.MODEL_NAMES == resnet.MODEL_NAMES
+    assert tuple(resnet.DTYPES) == fields.DTYPES
+    assert tuple(resnet.CONV_IMPLS) == fields.CONV_IMPLS
+    assert (fields.OPTIMIZERS, fields.UPDATE_FORMS) == (optim.OPTIMIZERS, optim.UPDATE_FORMS)
+    assert fields.REDUCTIONS == step.REDUCTIONS
+    assert (fields.ACCUM_LOOPS, fields.PARALLELISMS) == (
+        parallel.ACCUM_LOOPS,
+        parallel.PARALLELISMS,
+    )
+    assert (fields.LR_SCALING_RULES, fields.WARMUP_KINDS, fields.DECAY_KINDS) == (
+        schedules.LR_SCALING_RULES,
+        schedules.WARMUP_KINDS,
+        schedules.DECAY_KINDS,
+    )
+
+
+def test_a_config_file_loads_without_jax():
+    """configs/base.py and the field table import neither JAX, Flax nor optax."""
+    code = (
+        "import sys; from configs import imagenet_8k; imagenet_8k.get_config(); "
+        "print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
