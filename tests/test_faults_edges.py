@@ -636,7 +636,7 @@ def _process_tree(pid: int) -> list[int]:
     return [pid, *(p for c in children.split() for p in _process_tree(int(c)))]
 
 
-def test_a_whole_job_paused_past_its_heartbeat_says_so_and_resumes(
+def test_a_whole_job_paused_past_its_heartbeat_says_so_in_one_line(
     tmp_path, fashion_mnist_dir, straight
 ):
     """Every process of a 2-process job stopped past the heartbeat timeout (SLURM's
