@@ -46,10 +46,9 @@ def main() -> int:
                 # The model and the step ask parallel.is_gpu which forms to use; the exact
                 # mode's XLA options stay the GPU's either way.
                 gpu = not cpu_forms
+                plan = programs.plan_for(config, where)
                 with mock.patch.object(parallel, "is_gpu", lambda p, gpu=gpu: gpu):
-                    training = builder.build_training(
-                        config, where.engine, 1251, platform="cuda", abstract=True
-                    )
+                    training = builder.build_training(config, plan, where.engine, abstract=True)
                 batch = programs.batch_spec(where.engine, 32, training.input_shape, "uint8")
                 lowered = training.train_step.lower(training.state, batch)
                 extra = {"xla_gpu_deterministic_ops": True} if reduction == "exact" else {}

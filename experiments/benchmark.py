@@ -95,11 +95,8 @@ with host.plugin_noise_filtered():  # the accelerator plugins' loading banners o
 
     from largebatch_jax import parallel
     from largebatch_jax.aot.targets import accelerator_of
-    from largebatch_jax.builder import (
-        build_training,
-        input_shape,
-        known_steps_per_epoch,
-    )
+    from largebatch_jax.builder import build_training, input_shape
+    from largebatch_jax.plan import Facts, resolve
     from largebatch_jax.reference import build_reference
     from largebatch_jax.utilization import memory_in_use, step_flops
 
@@ -222,10 +219,11 @@ def synthetic_config(args, num_devices: int, conv_impl: str | None = None):
     return config
 
 
-def ours(config, engine, steps_per_epoch: int | None = None):
-    """What the builder main.py's training loop uses gives for `config` (`Training`)."""
-    spe = known_steps_per_epoch(config) if steps_per_epoch is None else steps_per_epoch
-    return build_training(config, engine, spe)
+def ours(config, engine, train_images: int | None = None):
+    """What the builder main.py's training loop uses gives for `config` (`Training`), on
+    `train_images` (default: the dataset's known size)."""
+    facts = Facts(engine.num_devices, jax.default_backend(), train_images=train_images)
+    return build_training(config, resolve(config, facts), engine)
 
 
 def reference(config, mesh) -> tuple:
@@ -351,7 +349,7 @@ def real_input(args) -> int:
         config.reduction = args.reduction
     engine = parallel.DataParallel(parallel.create_mesh(), config.parallelism)
     data = train.load_data(config)
-    training = ours(config, engine, data.steps_per_epoch)
+    training = ours(config, engine, len(data.train))
     step = training.train_step
     initial = jax.device_get(training.state)  # every variant starts from a fresh copy
     src, augment = data.train, data.augment

@@ -48,7 +48,7 @@ def main(argv=None) -> None:
         from configs.overrides import apply_overrides
         from experiments.sweep import load_config
         from largebatch_jax import builder, parallel
-        from largebatch_jax.validate import validate_config
+        from largebatch_jax.plan import Facts, resolve
 
         jax.devices()  # the backend starts here, and JAX loads its plugins
 
@@ -56,8 +56,8 @@ def main(argv=None) -> None:
     programs = {}
     for reduction in ("fast", "exact"):
         config = apply_overrides(load_config(args.config), f"{args.set},reduction={reduction}")
-        validate_config(config, args.devices)
-        training = builder.build_training(config, engine, steps_per_epoch=100)
+        plan = resolve(config, Facts(devices=args.devices, platform=jax.default_backend()))
+        training = builder.build_training(config, plan, engine)
         rng = np.random.default_rng(0)
         batch = engine.shard_batch(
             {

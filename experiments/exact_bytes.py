@@ -99,20 +99,15 @@ def main(argv=None) -> None:
             load_config(args.config), f"{args.set},reduction={reduction},batch_size={kn}"
         )
         training = builder.build_training(
-            config,
-            where.engine,
-            builder.known_steps_per_epoch(config),
-            platform="tpu",
-            abstract=True,
+            config, programs.plan_for(config, where), where.engine, abstract=True
         )
         batch = programs.batch_spec(
             where.engine, args.per_chip_batch, training.input_shape, np.uint8
         )
         compiled = training.train_step.lower(training.state, batch).compile()
-        # The exact step is a chain of programs (largebatch_jax/grouped.py); each is read
-        # on its own, its bytes counted as often as a step runs it.
-        chain = getattr(compiled, "programs", None)
-        parts = [(p.name, p.runs, p.program) for p in chain] if chain else [("step", 1, compiled)]
+        # A step is a chain of programs (one, or the exact step's: grouped.py); each is
+        # read on its own, its bytes counted as often as a step runs it.
+        parts = [(p.name, p.runs, p.program) for p in compiled.programs]
         total = collections.Counter()
         for name, runs, part in parts:
             cost = part.cost_analysis()

@@ -1,5 +1,5 @@
-"""One wiring from a config to what a run compiles: schedule -> optimizer -> model ->
-state -> mapped train and eval steps.
+"""One wiring from a config and its plan (plan.py) to what a run compiles: schedule ->
+optimizer -> model -> state -> mapped train and eval steps.
 
 Every caller (the trainer behind main.py, experiments/benchmark.py, the ahead-of-time
 compile, the GPU check, the tests) builds through `build_training`, so each compiles
@@ -17,10 +17,11 @@ import jax
 import optax
 from flax import linen as nn
 
-from largebatch_jax import exact, optim, parallel, schedules
+from largebatch_jax import exact, optim, parallel
 from largebatch_jax.data import sources
 from largebatch_jax.models import create_model
 from largebatch_jax.parallel import AXIS
+from largebatch_jax.plan import Plan
 from largebatch_jax.step import (
     PixelNormalization,
     TrainState,
@@ -49,18 +50,6 @@ def model_from_config(config: Any, platform: str | None = None) -> nn.Module:
         conv_impl=config.conv_impl,
         pool_impl="slices" if parallel.is_gpu(platform or jax.default_backend()) else "xla",
     )
-
-
-def known_steps_per_epoch(config: Any) -> int:
-    """Steps per epoch of a config's dataset from its known size (`sources.TRAIN_SIZES`,
-    or `train_subset`), for callers that compile without loading the data; a run takes
-    it from the loaded training set, which gives the same number."""
-    if config.dataset not in sources.TRAIN_SIZES:
-        raise ValueError(
-            f"dataset={config.dataset!r} has no known size: pass steps_per_epoch explicitly."
-        )
-    size = sources.TRAIN_SIZES[config.dataset]
-    return max(1, min(size, config.train_subset or size) // config.batch_size)
 
 
 def image_shape(config: Any) -> tuple[int, int, int]:
@@ -99,43 +88,41 @@ class Training:
 
 def build_training(
     config: Any,
+    plan: Plan,
     engine: parallel.DataParallel,
-    steps_per_epoch: int,
     *,
-    platform: str | None = None,
     abstract: bool = False,
 ) -> Training:
-    """The model, optimizer, schedule, initial state and mapped steps of a config.
+    """The model, optimizer, schedule, initial state and mapped steps of a config, laid
+    out as its `plan` says.
 
-    `steps_per_epoch` places the schedule's epoch boundaries (rules 2, 3); `platform` is
-    the backend the steps will run on where it is not this process's (an ahead-of-time
-    compile for a TPU on a CPU host), for the choices that depend on it: the accumulation
-    loop, the max-pool's gradient, XLA's determinism options for the exact mode on GPU.
-    `abstract`: the state as shapes only, placed like the real one, for lowering without
-    materialising.
+    The plan's schedule places the epoch boundaries (rules 2, 3); its platform (the
+    backend the steps will run on, which may not be this process's: an ahead-of-time
+    compile for a TPU on a CPU host) picks the accumulation loop, the max-pool's
+    gradient and XLA's determinism options for the exact mode on GPU. `abstract`: the
+    state as shapes only, placed like the real one, for lowering without materialising.
     """
-    platform = platform or jax.default_backend()
-    learning_rate_fn = schedules.create_learning_rate_schedule(config, steps_per_epoch)
+    learning_rate_fn = plan.learning_rate.schedule()
     tx = optim.optimizer_from_config(config, learning_rate_fn)
-    model = model_from_config(config, platform)
+    model = model_from_config(config, plan.platform)
     shape = image_shape(config)
     if abstract:
         state = engine.abstract_replicated(abstract_train_state(model, tx, shape))
     else:
         state = engine.replicate(create_train_state(jax.random.key(config.seed), model, tx, shape))
     normalize = pixel_normalization(config)
-    options = exact.compiler_options(platform) if config.reduction == "exact" else {}
+    options = exact.compiler_options(plan.platform) if plan.reduction == "exact" else {}
     train_step = engine.map(
         make_train_step(
             model,
             tx,
             learning_rate_fn,
-            config.accum_steps,
-            config.accum_loop,
-            platform,
+            plan.accum_steps,
+            plan.accum_loop,
+            plan.platform,
             normalize,
-            reduction=config.reduction,
-            bn_group_size=config.bn_group_size,
+            reduction=plan.reduction,
+            bn_group_size=plan.n,
             bn_momentum=config.bn_momentum,
         ),
         donate_state=True,
@@ -150,7 +137,7 @@ def build_training(
         state=state,
         train_step=train_step,
         eval_step=engine.map(
-            make_eval_step(model, normalize, config.reduction, config.bn_group_size),
+            make_eval_step(model, normalize, plan.reduction, plan.n),
             compiler_options=options,
         ),
     )

@@ -26,6 +26,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from largebatch_jax.errors import LaunchError
+
 MODES = ("auto", "on", "off")
 # JAX's names of the cluster detections main.py's --cluster can force ('auto': ours).
 CLUSTERS = ("auto", "slurm", "ompi", "mpi4py")
@@ -44,10 +46,6 @@ STARTED_BY = {
     "tpu": "on a Cloud TPU slice",
     "jax": "started with JAX_COORDINATOR_ADDRESS",
 }
-
-
-class LaunchError(ValueError):
-    """The environment cannot start this run as it is (one line: what and the fix)."""
 
 
 @dataclasses.dataclass(frozen=True)

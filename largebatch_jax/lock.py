@@ -14,10 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-
-class WorkdirError(Exception):
-    """The workdir cannot hold the run (in use, not writable, full); one line."""
-
+from largebatch_jax.errors import WorkdirError
 
 _HELD: list = []  # the locks this process holds (release_held, for an exit without unwinding)
 

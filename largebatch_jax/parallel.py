@@ -1,14 +1,20 @@
-"""The data-parallel engine: one per-device function, run on every device of every process.
+"""The data-parallel engine: a step's per-device programs, run on every device of every
+process.
 
-The per-device function (step.py) sees one device's share of the global minibatch and
-communicates only through named collectives on `AXIS`. The engine maps it over a 1-D
-mesh of devices, either with `jax.shard_map` inside `jax.jit` (default) or `jax.pmap`;
-both take the same replicated state and the same global batch and return the same
-(replicated) results, so nothing downstream knows which one ran.
+A step (step.py) is a `Chain` of per-device programs run one after another: one program
+for the fast step, the exact step's split, group, mean and update (grouped.py). Each
+program sees one device's share of the global minibatch and communicates only through
+named collectives on `AXIS`. The engine maps every program over a 1-D mesh of devices,
+either with `jax.shard_map` inside `jax.jit` (default) or `jax.pmap`, in one place
+(`DataParallel.program`); both take the same replicated state and the same global batch
+and return the same (replicated) results, so nothing downstream knows which one ran. A
+mapped chain is called, lowered and compiled like one jitted function.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from queue import Queue
@@ -22,6 +28,136 @@ from jax.sharding import PartitionSpec as P
 AXIS = "data"
 PARALLELISMS = ("shard_map", "pmap")
 ACCUM_LOOPS = ("scan", "unroll")
+
+# How a program's argument or result lies across the devices: split along its leading
+# axis, replicated, or per-device copies of one value handed from program to program in
+# a chain (jax.pmap maps at least one argument of every program: it hands them as a
+# device axis; shard_map as a replicated value).
+SPLIT, REPLICATED, COPIES = "split", "replicated", "copies"
+_PMAP_AXES = {SPLIT: 0, COPIES: 0, REPLICATED: None}
+_SHARD_SPECS = {SPLIT: P(AXIS), COPIES: P(), REPLICATED: P()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One per-device program of a step: `fn`, how each of its arguments (`ins`) and its
+    result (`out`) lie across the devices, and whether its first argument is the state
+    it replaces (donated where the engine maps the step with `donate_state`)."""
+
+    fn: Callable
+    ins: tuple[str, ...]
+    out: str
+    takes_state: bool = False
+
+
+Drive = Callable[[Callable[..., Any], Any, Any, int], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """A per-device step as programs run one after another. `stages`: the programs by
+    name. `drive(call, state, batch, per_device)`: runs them, `call(name, *args)` for
+    each run, `per_device` the images of the batch on each device; returns what the step
+    returns. `held(engine, state, batch, outputs, runs)`: per device, the bytes the
+    caller holds while each program runs (for the memory of a compiled chain); None for
+    one program. `Chain.of(fn)` is a one-program step `fn(state, batch)`."""
+
+    stages: Mapping[str, Stage]
+    drive: Drive
+    held: Callable[..., dict[str, int]] | None = None
+
+    @classmethod
+    def of(cls, fn: Callable, takes_state: bool = True) -> Chain:
+        return cls({"step": Stage(fn, (REPLICATED, SPLIT), REPLICATED, takes_state)}, _drive_one)
+
+
+def _drive_one(call: Callable[..., Any], state: Any, batch: Any, per_device: int) -> Any:
+    del per_device
+    return call("step", state, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainProgram:
+    """One program of a lowered or compiled chain and how many times a step runs it."""
+
+    name: str
+    program: Any  # a jax Lowered or Compiled
+    runs: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledChain:
+    """A compiled chain: called like the step it was lowered from."""
+
+    chain: Chain
+    per_device: Callable[[Any], int]
+    programs: list[ChainProgram]
+
+    def __call__(self, state: Any, batch: Any) -> Any:
+        by_name = {p.name: p.program for p in self.programs}
+        return self.chain.drive(
+            lambda name, *args: by_name[name](*args), state, batch, self.per_device(batch)
+        )
+
+    def as_text(self) -> str:
+        return "\n".join(p.program.as_text() for p in self.programs)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredChain:
+    """A lowered chain: its programs in the order of their first run, and `held_bytes`
+    (see `Chain.held`; empty for one program)."""
+
+    chain: Chain
+    per_device: Callable[[Any], int]
+    programs: list[ChainProgram]
+    held_bytes: dict[str, int]
+
+    def as_text(self) -> str:
+        return "\n".join(p.program.as_text() for p in self.programs)
+
+    def compile(self, compiler_options: Mapping[str, Any] | None = None) -> CompiledChain:
+        compiled = [
+            dataclasses.replace(p, program=p.program.compile(compiler_options))
+            for p in self.programs
+        ]
+        return CompiledChain(self.chain, self.per_device, compiled)
+
+
+class MappedChain:
+    """A chain mapped over an engine's devices: call it as `(state, batch) -> result`, or
+    `lower` it for a given state and batch (shapes or arrays)."""
+
+    def __init__(self, chain: Chain, engine: DataParallel, programs: Mapping[str, Callable]):
+        self.chain, self.engine, self.programs = chain, engine, dict(programs)
+
+    def __call__(self, state: Any, batch: Any) -> Any:
+        return self.chain.drive(
+            lambda name, *args: self.programs[name](*args),
+            state,
+            batch,
+            self.engine.per_device(batch),
+        )
+
+    def lower(self, state: Any, batch: Any) -> LoweredChain:
+        """Each program lowered once, for the arguments of its first run (every run of a
+        program takes the same shapes), the next one's from its results' shapes."""
+        lowered: dict[str, Any] = {}
+        runs: collections.Counter[str] = collections.Counter()
+
+        def call(name: str, *args: Any) -> Any:
+            if name not in lowered:
+                lowered[name] = self.programs[name].lower(*args)
+            runs[name] += 1
+            return lowered[name].out_info
+
+        self.chain.drive(call, state, batch, self.engine.per_device(batch))
+        programs = [ChainProgram(name, lowered[name], runs[name]) for name in lowered]
+        held = {}
+        if self.chain.held is not None:
+            outputs = {name: lowered[name].out_info for name in lowered}
+            held = self.chain.held(self.engine, state, batch, outputs, dict(runs))
+        return LoweredChain(self.chain, self.engine.per_device, programs, held)
 
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -41,42 +177,6 @@ def resolve_accum_loop(accum_loop: str, backend: str) -> str:
     if accum_loop != "auto":
         return accum_loop
     return "unroll" if backend == "cpu" else "scan"
-
-
-def micro_batch_size(
-    batch_size: int, num_devices: int, accum_steps: int, bn_group_size: int
-) -> int:
-    """Images per device per micro-step: kn / (devices * accum_steps), in whole BN groups.
-
-    Raises a ValueError naming the field and the numbers when kn does not divide.
-    """
-    for field, value in (
-        ("batch_size", batch_size),
-        ("num_devices", num_devices),
-        ("accum_steps", accum_steps),
-        ("bn_group_size", bn_group_size),
-    ):
-        if not isinstance(value, int | np.integer) or value <= 0:
-            raise ValueError(f"{field}={value!r} must be a positive integer.")
-    per_step = num_devices * accum_steps
-    if batch_size % per_step:
-        raise ValueError(
-            f"batch_size={batch_size} is not divisible by devices x accum_steps = "
-            f"{num_devices} x {accum_steps} = {per_step}."
-        )
-    micro = batch_size // per_step
-    if bn_group_size > micro:
-        raise ValueError(
-            f"bn_group_size={bn_group_size} is larger than the per-device micro-batch {micro} "
-            f"(batch_size={batch_size} / ({num_devices} devices x {accum_steps} accum_steps)): "
-            "lower bn_group_size or accum_steps."
-        )
-    if micro % bn_group_size:
-        raise ValueError(
-            f"batch_size={batch_size} is not divisible by devices x accum_steps x "
-            f"bn_group_size = {num_devices} x {accum_steps} x {bn_group_size}."
-        )
-    return micro
 
 
 def create_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -160,35 +260,54 @@ class DataParallel:
                 raise item
             yield item
 
+    def per_device(self, batch: Any) -> int:
+        """Images of a global batch (as `shard_batch` places it) on each device."""
+        leaf = jax.tree.leaves(batch)[0]
+        if self.parallelism == "pmap":
+            return leaf.shape[1]
+        return leaf.shape[0] // self.num_devices
+
+    def program(
+        self, stage: Stage, donate: bool = False, compiler_options: Mapping[str, Any] | None = None
+    ) -> Callable:
+        """One program of a step mapped over the devices: `jax.pmap`, or `jax.shard_map`
+        inside `jax.jit` with XLA's `compiler_options`; `donate`: its first argument."""
+        donated = (0,) if donate else ()
+        if self.parallelism == "pmap":
+            return jax.pmap(
+                stage.fn,
+                axis_name=AXIS,
+                in_axes=tuple(_PMAP_AXES[i] for i in stage.ins),
+                out_axes=_PMAP_AXES[stage.out],
+                devices=list(self.mesh.devices.flat),
+                donate_argnums=donated,
+            )
+        mapped = jax.shard_map(
+            stage.fn,
+            mesh=self.mesh,
+            in_specs=tuple(_SHARD_SPECS[i] for i in stage.ins),
+            out_specs=_SHARD_SPECS[stage.out],
+        )
+        options = dict(compiler_options or {}) or None
+        return jax.jit(mapped, donate_argnums=donated, compiler_options=options)
+
     def map(
         self,
-        per_device_fn: Callable,
+        step: Chain,
         donate_state: bool = False,
         compiler_options: Mapping[str, Any] | None = None,
-    ) -> Callable:
-        """Run `per_device_fn(state, batch)` on every device: state replicated, batch split
-        along its leading axis; outputs must be reduced over AXIS (they are replicated).
-        `compiler_options`: XLA options compiled into the program (`jax.jit`'s)."""
+    ) -> MappedChain:
+        """Run a step's programs on every device: state replicated, batch split along its
+        leading axis; a program's replicated results must be reduced over AXIS.
+        `donate_state`: the programs that take the state give its buffers to the new one.
+        `compiler_options`: XLA options compiled into every program (`jax.jit`'s)."""
         if self.parallelism == "pmap" and compiler_options:
             raise ValueError(
                 f"parallelism='pmap' cannot compile with XLA options {dict(compiler_options)}"
                 " (the exact mode on GPU needs them): use parallelism='shard_map'."
             )
-        if hasattr(per_device_fn, "map_with"):  # a chain of programs (grouped.GroupedStep)
-            return per_device_fn.map_with(self, donate_state, compiler_options)
-        donate = (0,) if donate_state else ()
-        if self.parallelism == "pmap":
-            return jax.pmap(
-                per_device_fn,
-                axis_name=AXIS,
-                in_axes=(None, 0),
-                out_axes=None,
-                devices=list(self.mesh.devices.flat),
-                donate_argnums=donate,
-            )
-        mapped = jax.shard_map(
-            per_device_fn, mesh=self.mesh, in_specs=(P(), P(AXIS)), out_specs=P()
-        )
-        return jax.jit(
-            mapped, donate_argnums=donate, compiler_options=dict(compiler_options or {}) or None
-        )
+        programs = {
+            name: self.program(stage, donate_state and stage.takes_state, compiler_options)
+            for name, stage in step.stages.items()
+        }
+        return MappedChain(step, self, programs)

@@ -13,9 +13,8 @@ from typing import Any
 import jax.numpy as jnp
 import ml_collections
 
-from largebatch_jax import fields, schedules
-from largebatch_jax.lock import WorkdirError
-from largebatch_jax.validate import ConfigError
+from largebatch_jax import fields, plan
+from largebatch_jax.errors import ConfigError, WorkdirError
 from largebatch_jax.workdir import atomic_write_text
 
 RECORD = "run_config.json"
@@ -89,19 +88,19 @@ def check_resume(recorded: dict, config: Any, step: int, steps_per_epoch: int) -
     before, now = recorded.get("num_epochs"), current["num_epochs"]
     if before is None or before == now:
         return
-    total = schedules.epochs_to_steps(now, steps_per_epoch)
+    new = plan.learning_rate(config, steps_per_epoch)
+    total = new.total_steps
     if step > total:
         raise ConfigError(
             f"config.num_epochs={now} ({total} steps) ends before this workdir's checkpoint at "
             f"step {step} (trained with num_epochs={before}): rerun with "
             f"--config.num_epochs={before}, or use a new workdir."
         )
-    old = schedules.create_learning_rate_schedule(
+    old = plan.learning_rate(
         ml_collections.ConfigDict({**dict(current), **recorded}), steps_per_epoch
-    )
-    new = schedules.create_learning_rate_schedule(config, steps_per_epoch)
+    ).schedule()
     steps = jnp.arange(step)
-    if step and not bool(jnp.all(old(steps) == new(steps))):
+    if step and not bool(jnp.all(old(steps) == new.schedule()(steps))):
         raise ConfigError(
             f"config.num_epochs={now} (trained with {before}) changes the learning rate of "
             f"the {step} steps already trained (lr_decay={config.lr_decay!r}): rerun with "

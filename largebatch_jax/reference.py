@@ -145,5 +145,5 @@ def build_reference(
             state = engine.abstract_replicated(jax.eval_shape(init, jax.random.key(0)))
         else:
             state = engine.replicate(jax.jit(init)(jax.random.key(0)))
-    step = engine.map(make_reference_step(model, tx), donate_state=True)
+    step = engine.map(parallel.Chain.of(make_reference_step(model, tx)), donate_state=True)
     return Reference(state=state, train_step=step, image_shape=shape)

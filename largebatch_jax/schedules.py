@@ -1,16 +1,15 @@
 """Learning-rate schedule of the paper: rules 1-3 (README, "Where each rule of the paper lives").
 
 The schedule is a function of the *iteration* (one SGD update of kn images), so every
-boundary given in epochs is converted to iterations once, here, with the run's
-`steps_per_epoch`. Fractional epochs are allowed (small-scale runs scale 5/90, 30/90, ...).
+boundary given in epochs is converted to iterations once, by `plan.learning_rate`, with
+the run's `steps_per_epoch`. Fractional epochs are allowed (small-scale runs scale 5/90,
+30/90, ...).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import jax.numpy as jnp
 import optax
@@ -124,49 +123,19 @@ def warmup_applies(batch_size: int, base_batch_size: int) -> bool:
     return batch_size > base_batch_size
 
 
-def check_decay_epochs(decay_epochs: Sequence[float], num_epochs: float) -> None:
-    """Rule 3's decays all fall within the run (ValueError naming both fields)."""
-    if any(e > num_epochs for e in decay_epochs):
-        raise ValueError(
-            f"decay_epochs={tuple(decay_epochs)} go past num_epochs={num_epochs}: lower them "
-            "or raise num_epochs."
-        )
-
-
 def learning_rate_schedule(
-    steps_per_epoch: int,
-    *,
     base_lr: float,
-    base_batch_size: int,
-    batch_size: int,
-    lr_scaling: str,
-    lr_multiplier: float,
+    peak_lr: float,
     warmup: str,
-    warmup_epochs: float,
+    warmup_steps: int,
     lr_decay: str,
-    decay_epochs: Sequence[float],
+    decay_steps: Sequence[int],
     decay_factor: float,
-    num_epochs: float,
+    total_steps: int,
 ) -> optax.Schedule:
-    """The paper's schedule: scaling (rule 1), warmup (2), decay (3), per iteration.
-    Warmup applies only where `warmup_applies` says so (rule 2)."""
-    if steps_per_epoch <= 0:
-        raise ValueError(f"steps_per_epoch={steps_per_epoch} must be > 0.")
-    peak = peak_learning_rate(base_lr, base_batch_size, batch_size, lr_scaling, lr_multiplier)
-    _check_choice("warmup", warmup, WARMUP_KINDS)
-    if warmup_epochs < 0:
-        raise ValueError(f"warmup_epochs={warmup_epochs} must be >= 0.")
-    check_decay_epochs(decay_epochs, num_epochs)
-    warms = warmup_applies(batch_size, base_batch_size) and warmup != "none"
-    warmup_steps = epochs_to_steps(warmup_epochs, steps_per_epoch) if warms else 0
-    total_steps = epochs_to_steps(num_epochs, steps_per_epoch)
-    boundaries = [epochs_to_steps(e, steps_per_epoch) for e in decay_epochs]
-    warm = warmup_schedule(base_lr, peak, warmup_steps, warmup)
-    decay = decay_schedule(peak, lr_decay, boundaries, decay_factor, warmup_steps, total_steps)
+    """The paper's schedule, per iteration: warmup from `base_lr` to rule 1's `peak_lr`
+    over `warmup_steps` (rule 2; 0 where it does not apply), then the decays at
+    `decay_steps` (rule 3). Every step count is resolved once, by `plan.learning_rate`."""
+    warm = warmup_schedule(base_lr, peak_lr, warmup_steps, warmup)
+    decay = decay_schedule(peak_lr, lr_decay, decay_steps, decay_factor, warmup_steps, total_steps)
     return optax.join_schedules([warm, decay], [warmup_steps])
-
-
-def create_learning_rate_schedule(config: Any, steps_per_epoch: int) -> optax.Schedule:
-    """`learning_rate_schedule` from the config fields it names as keyword arguments."""
-    names = inspect.signature(learning_rate_schedule).parameters.keys() - {"steps_per_epoch"}
-    return learning_rate_schedule(steps_per_epoch, **{f: config[f] for f in names})

@@ -174,11 +174,12 @@ def make_train_step(
     reduction: str = "fast",
     bn_group_size: int | None = None,
     bn_momentum: float = 0.9,
-) -> Callable[[TrainState, dict], tuple[TrainState, dict]] | grouped.GroupedStep:
+) -> parallel.Chain:
     """The per-device SGD update (paper rules 7, 9, 15); map it with `DataParallel.map`.
 
     batch: {'image': [accum_steps * micro, H, W, C], 'label': [accum_steps * micro]}.
-    Returns the new state (identical on every device) and metrics averaged over kn.
+    A step of one program, or a chain of programs (exact mode), as `parallel.Chain`; its
+    runs return the new state (identical on every device) and metrics averaged over kn.
     `accum_loop`: the micro-steps of rule 15 (gradient accumulation, BN still per group of
     n) as one `lax.scan` ('scan': one copy of the model in the program, whatever
     accum_steps is) or as a Python loop ('unroll': accum_steps copies). Same sums in the
@@ -186,9 +187,9 @@ def make_train_step(
     on; default: this process's), see `parallel.resolve_accum_loop`; on GPU the loss and the
     training error are computed without a scatter or a sort. `normalize` maps the
     batch's pixels to the model's input (a `PixelNormalization`); None: used as given.
-    `reduction='exact'` (needs `bn_group_size` and the model's `bn_momentum`): a
-    `grouped.GroupedStep` instead of the micro-steps and `pmean`: a program run per BN
-    group of n (`exact_group`), one that sums the groups in the fixed tree
+    `reduction='exact'` (needs `bn_group_size` and the model's `bn_momentum`): a chain
+    of programs (`grouped.grouped_step`) instead of the micro-steps and `pmean`: a
+    program run per BN group of n (`exact_group`), one that sums the groups in the fixed tree
     (`exact_mean`) and one that updates (`exact_update`), bit-identical for every layout
     of the same kn and n; accum_steps and accum_loop then change nothing.
     """
@@ -204,10 +205,10 @@ def make_train_step(
     parts = _StepParts(model, tx, learning_rate_fn, parallel.is_gpu(platform), normalize)
     if reduction == "exact":
         exact_parts = _ExactParts(parts, bn_momentum)
-        return grouped.GroupedStep(
+        return grouped.grouped_step(
             bn_group_size, exact_parts.group, exact_parts.mean, exact_parts.update
         )
-    return functools.partial(_fast_step, parts, accum_steps, accum_loop)
+    return parallel.Chain.of(functools.partial(_fast_step, parts, accum_steps, accum_loop))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -313,7 +314,7 @@ def _fast_step(
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _ExactParts:
-    """reduction='exact': the three programs of `grouped.GroupedStep`."""
+    """reduction='exact': the three programs of `grouped.grouped_step`."""
 
     parts: _StepParts
     bn_momentum: float
@@ -355,7 +356,7 @@ def make_eval_step(
     normalize: Callable[[jax.Array], jax.Array] | None = None,
     reduction: str = "fast",
     chunk: int | None = None,
-) -> Callable[[TrainState, dict], dict]:
+) -> parallel.Chain:
     """Per-device evaluation with the running BN statistics (pixels through `normalize`,
     as in training).
 
@@ -405,4 +406,4 @@ def make_eval_step(
         gathered = exact.all_gather_invariant(flat, AXIS, tiled=True)
         return jax.tree.map(exact.vector_sum, gathered)
 
-    return eval_step
+    return parallel.Chain.of(eval_step, takes_state=False)

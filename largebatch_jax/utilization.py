@@ -37,15 +37,11 @@ def program_flops(lowered: Any, compiled: Any, platform: str) -> float:
 
 
 def step_flops(lowered: Any, compiled: Any, platform: str) -> float:
-    """FLOPs per device of one train step: a program, or the exact mode's chain
-    (`grouped.LoweredGroups` and its compiled `CompiledGroups`: every program times its
-    runs per step)."""
-    programs = getattr(lowered, "programs", None)
-    if programs is None:
-        return program_flops(lowered, compiled, platform)
+    """FLOPs per device of one train step, lowered and compiled (`parallel.LoweredChain`
+    and its `CompiledChain`): every program times its runs per step."""
     return sum(
         p.runs * program_flops(p.program, c.program, platform)
-        for p, c in zip(programs, compiled.programs, strict=True)
+        for p, c in zip(lowered.programs, compiled.programs, strict=True)
     )
 
 

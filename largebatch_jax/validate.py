@@ -1,5 +1,7 @@
-"""Config validation, before anything is compiled: one line naming the field, the value
-and the fix, raised as ConfigError (main turns it into exit code 2)."""
+"""The config's fields, each against the table (fields.py): known, of its type, in its
+range; one line naming the field, the value and the fix, raised as ConfigError (exit code
+2). What depends on several fields, the devices or the data is checked where the run's
+plan is resolved (plan.py)."""
 
 from __future__ import annotations
 
@@ -7,43 +9,13 @@ import difflib
 import math
 from typing import Any
 
-from largebatch_jax import fields, grouped, parallel, schedules
-
-
-class ConfigError(ValueError):
-    """A bad config value; the message is one line."""
-
+from largebatch_jax import fields
+from largebatch_jax.errors import ConfigError
 
 # field: (types, check, what the check means), from the one table of fields.
 RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     name: (f.types, f.check, f.meaning) for name, f in fields.FIELDS.items() if f.types
 }
-
-
-def validate_config(config: Any, num_devices: int, platform: str | None = None) -> int:
-    """Check every field's type and range and the minibatch geometry, and what depends on
-    the `platform` the steps compile for where it is given; returns the per-device
-    micro-batch. Raises ConfigError with one line."""
-    validate_fields(config)
-    try:
-        micro = parallel.micro_batch_size(
-            config.batch_size, num_devices, config.accum_steps, config.bn_group_size
-        )
-    except ValueError as e:
-        raise ConfigError(f"config.{e}") from None
-    if config.eval_batch_size % num_devices:
-        raise ConfigError(
-            f"config.eval_batch_size={config.eval_batch_size} is not divisible by the "
-            f"{num_devices} devices."
-        )
-    if config.reduction == "exact":
-        _check_exact(config, num_devices)
-        if platform and parallel.is_gpu(platform) and config.parallelism == "pmap":
-            raise ConfigError(
-                "config.reduction='exact' on GPU compiles with XLA's determinism option, "
-                "which parallelism='pmap' cannot pass: set parallelism='shard_map'."
-            )
-    return micro
 
 
 def unknown_field(field: str, prefix: str = "config.") -> str:
@@ -66,8 +38,7 @@ def check_known_fields(config: Any) -> None:
 
 
 def validate_fields(config: Any) -> None:
-    """What does not depend on the devices: every field known, its type and range, and
-    the schedule's boundaries (a sweep checks its runs with this before training any)."""
+    """Every field known, of its type and in its range."""
     check_known_fields(config)
     for field, (types, check, meaning) in RULES.items():
         if field not in config:
@@ -87,41 +58,4 @@ def validate_fields(config: Any) -> None:
     ):
         raise ConfigError(
             f"config.decay_epochs={decays!r} must be a tuple of epochs, e.g. (30, 60, 80)."
-        )
-    try:
-        schedules.check_decay_epochs(config.decay_epochs, config.num_epochs)
-    except ValueError as e:
-        raise ConfigError(f"config.{e}") from None
-    warms = schedules.warmup_applies(config.batch_size, config.base_batch_size)
-    warms = warms and config.warmup != "none"
-    if warms and config.decay_epochs and config.warmup_epochs > min(config.decay_epochs):
-        raise ConfigError(
-            f"config.warmup_epochs={config.warmup_epochs} runs past the first decay at epoch "
-            f"{min(config.decay_epochs)}: shorten the warmup."
-        )
-
-
-def _check_exact(config: Any, num_devices: int) -> None:
-    """Where reduction='exact' can keep its promise (grouped.py, exact.py): the tree
-    of the k groups splits into the devices' blocks only for a power-of-two number of
-    groups per device; per-worker BN."""
-    kn, n = config.batch_size, config.bn_group_size
-    groups = kn // num_devices // n
-    if not grouped.whole_power_of_two_groups(kn // num_devices, n):
-        raise ConfigError(
-            f"config.reduction='exact' needs a power-of-two number of BN groups per device, "
-            f"but batch_size={kn} / {num_devices} devices / bn_group_size={n} = {groups}: "
-            "change batch_size or the number of devices, or set reduction='fast'."
-        )
-    if config.bn_sync:
-        raise ConfigError(
-            "config.reduction='exact' sums per-worker BN groups and does not apply with "
-            "bn_sync=True: set reduction='fast'."
-        )
-    per_device = config.eval_batch_size // num_devices
-    if per_device % n:
-        raise ConfigError(
-            f"config.eval_batch_size={config.eval_batch_size} gives {per_device} images per "
-            f"device, not a multiple of bn_group_size={n} (exact evaluation runs n images "
-            "at a time): change eval_batch_size, or set reduction='fast'."
         )

@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from largebatch_jax.lock import WorkdirError
+from largebatch_jax.errors import WorkdirError
 
 # FUSE mounts of object stores (Cloud Storage, S3, Azure Blob): no atomic rename of a
 # folder, no hard link, appends that rewrite the object.

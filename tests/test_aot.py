@@ -20,6 +20,7 @@ import pytest
 from configs import smoke
 from largebatch_jax import builder, parallel
 from largebatch_jax.aot import hlo, programs, targets
+from largebatch_jax.plan import Facts, resolve
 from tests.runs import env
 
 pytestmark = pytest.mark.slow
@@ -51,6 +52,11 @@ needs_gpu = pytest.mark.skipif(
     os.environ.get("REQUIRE_GPU_COMPILER") != "1" and not _has_gpu_compiler(),
     reason=f"the GPU compiler: {targets.GPU_COMPILER_INSTALL}",
 )
+
+
+def _ours(config, site) -> dict:
+    """Our steps for `config` compiled on `site`, as the compile tool builds them."""
+    return programs.compile_ours(config, programs.plan_for(config, site), site)
 
 
 def _config(devices: int, per_device: int, accum_steps: int = 1, **fields):
@@ -202,7 +208,7 @@ ENTRY %main (i: s32[4], z: f32[8], u: f32[4]) -> f32[8] {
 def test_tpu_all_reduce_carries_exactly_the_gradients_and_statistics(v5e_2x2, accum_steps):
     config = _config(4, 16, accum_steps)
     assert parallel.resolve_accum_loop(config.accum_loop, "tpu") == "scan"  # not the host's
-    ours = programs.compile_ours(config, v5e_2x2, steps_per_epoch=16)
+    ours = _ours(config, v5e_2x2)
     train = ours["train"]
     assert train.flops > 0 and 0 < train.memory_bytes < targets.CHIPS["v5e"].memory_bytes
     assert [c.kind for c in train.collectives] == ["all-reduce"], train.collectives
@@ -255,17 +261,17 @@ def test_two_processes_load_the_tpu_compiler_at_once(tmp_path):
 
 @needs_tpu
 def test_tpu_accumulation_costs_are_counted_for_every_micro_step(v5e_2x2):
-    one = programs.compile_ours(_config(4, 8), v5e_2x2, steps_per_epoch=16)["train"]
-    two = programs.compile_ours(_config(4, 16, 2), v5e_2x2, steps_per_epoch=16)["train"]
+    one = _ours(_config(4, 8), v5e_2x2)["train"]
+    two = _ours(_config(4, 16, 2), v5e_2x2)["train"]
     # Twice the images in two micro-steps of the same size: twice the model's FLOPs.
     assert 1.9 < two.flops / one.flops < 2.1
 
 
 @needs_tpu
 def test_tpu_per_chip_memory_does_not_grow_with_the_slice(v5e_2x2):
-    small = programs.compile_ours(_config(4, 16), v5e_2x2, steps_per_epoch=16)["train"]
+    small = _ours(_config(4, 16), v5e_2x2)["train"]
     large_site = programs.site(targets.parse_topology("v5e:4x4"))
-    large = programs.compile_ours(_config(16, 16), large_site, steps_per_epoch=16)["train"]
+    large = _ours(_config(16, 16), large_site)["train"]
     for field in ("argument_bytes", "output_bytes", "temp_bytes"):
         assert getattr(large, field) == getattr(small, field), field
     assert large.flops == pytest.approx(small.flops, rel=1e-3)
@@ -299,7 +305,7 @@ def test_largest_micro_batch_doubles_until_it_does_not_fit(v5e_2x2, monkeypatch)
 @needs_gpu
 def test_gpu_step_compiles_with_cudnn_and_all_reduces_exactly_the_gradients(h100):
     config = _config(4, 8)
-    ours = programs.compile_ours(config, h100("2x2"), steps_per_epoch=16)
+    ours = _ours(config, h100("2x2"))
     train = ours["train"]
     conv_layers = sum(
         1
@@ -326,8 +332,8 @@ def test_gpu_step_compiles_with_cudnn_and_all_reduces_exactly_the_gradients(h100
 
 @needs_gpu
 def test_gpu_per_device_memory_is_the_same_on_one_host_and_on_two(h100):
-    one = programs.compile_ours(_config(2, 8), h100("1x2"), steps_per_epoch=16)["train"]
-    two = programs.compile_ours(_config(4, 8), h100("2x2"), steps_per_epoch=16)["train"]
+    one = _ours(_config(2, 8), h100("1x2"))["train"]
+    two = _ours(_config(4, 8), h100("2x2"))["train"]
     for field in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes"):
         assert getattr(two, field) == getattr(one, field), field
     assert [c.bytes for c in two.collectives] == [c.bytes for c in one.collectives]
@@ -344,8 +350,9 @@ def test_gpu_exact_step_compiles_deterministic_without_all_reduce(h100, monkeypa
 
     monkeypatch.setattr(jax, "jit", jit)
     config = _config(4, 8, reduction="exact")
+    site = h100("2x2")
     training = builder.build_training(
-        config, h100("2x2").engine, 16, platform="cuda", abstract=True
+        config, programs.plan_for(config, site), site.engine, abstract=True
     )
     # The builder compiles XLA's determinism option into both steps itself on GPU (the
     # train step's four programs, largebatch_jax/grouped.py, and the eval step) ...
@@ -359,7 +366,8 @@ def test_gpu_exact_step_compiles_deterministic_without_all_reduce(h100, monkeypa
     assert exact.audit.scatters == []  # nothing for XLA's determinism to sort
     # ... and on CPU nothing.
     jit_options.clear()
-    builder.build_training(config, h100("2x2").engine, 16, platform="cpu", abstract=True)
+    on_cpu = resolve(config, Facts(devices=4, platform="cpu"))
+    builder.build_training(config, on_cpu, site.engine, abstract=True)
     assert jit_options == [None] * 5
 
 

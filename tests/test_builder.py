@@ -13,6 +13,7 @@ from configs import smoke
 from largebatch_jax import parallel, train
 from largebatch_jax.builder import build_training
 from largebatch_jax.data import loader
+from largebatch_jax.plan import Facts, resolve
 from largebatch_jax.train.feed import InputFeed
 from tests.runs import ROOT, call
 
@@ -33,10 +34,11 @@ import jax
 from configs import smoke
 from largebatch_jax import parallel, step
 from largebatch_jax.builder import build_training
+from largebatch_jax.plan import Facts, resolve
 
 config = smoke.get_config()
 engine = parallel.DataParallel(parallel.create_mesh())
-training = build_training(config, engine, steps_per_epoch=16)
+training = build_training(config, resolve(config, Facts(8, "cpu")), engine)
 rng = np.random.default_rng(0)
 assert training.input_shape == (28, 28, 1)  # uint8 pixels at native size, downscaled there
 batch = engine.shard_batch({{
@@ -85,7 +87,7 @@ def test_benchmark_times_the_program_main_py_runs(tmp_path, fashion_mnist_dir):
     benchmark = _load_benchmark()
     engine = parallel.DataParallel(parallel.create_mesh())
     # --input=real: the config's data and the same builder.
-    training = benchmark.ours(config, engine, train.load_data(config).steps_per_epoch)
+    training = benchmark.ours(config, engine, len(train.load_data(config).train))
     assert _hlo_hash(training.train_step, training.state, batch) == theirs
     # --input=synthetic --config=configs/smoke.py with the config's own kn (8 x 8 images).
     args = benchmark.parse_args(["--config=configs/smoke.py", "--per_device_batch=8"])
@@ -101,7 +103,7 @@ def test_benchmark_times_the_program_main_py_runs(tmp_path, fashion_mnist_dir):
     training = benchmark.ours(synthetic, engine)
     assert _hlo_hash(training.train_step, training.state, batch) != theirs
     # The eval step too, and lowering from the shapes alone gives the same program.
-    training = build_training(config, engine, 16, abstract=True)
+    training = build_training(config, resolve(config, Facts(8, "cpu")), engine, abstract=True)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(training.state))
     assert _hlo_hash(training.train_step, training.state, batch) == theirs
     assert _hlo_hash(training.eval_step, training.state, eval_batch) == eval_theirs

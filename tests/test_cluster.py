@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from largebatch_jax import cluster
+from largebatch_jax.errors import LaunchError
 
 # The variables SLURM 22.05 gave srun's tasks on a node of 8 GPUs (tests/test_slurm.py
 # reads them off a real one): one task per GPU, bound (--gpus-per-task=1), task 3 of 8.
@@ -231,7 +232,7 @@ def test_a_slurm_batch_shell_without_srun_is_one_line():
     count but no step (no SLURM_STEP_NODELIST); JAX would say 'coordinator_address should
     be defined'."""
     shell = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
-    with pytest.raises(cluster.LaunchError) as error:
+    with pytest.raises(LaunchError) as error:
         cluster.detect(shell)
     assert str(error.value).startswith("this is the shell of SLURM job 77 (2 tasks)")
     assert "start the program with srun" in str(error.value) and "\n" not in str(error.value)
@@ -240,16 +241,16 @@ def test_a_slurm_batch_shell_without_srun_is_one_line():
 
 def test_an_mpi_without_mpi4py_is_one_line(monkeypatch):
     monkeypatch.setattr(cluster, "find_spec", lambda name: None)
-    with pytest.raises(cluster.LaunchError, match=r"install mpi4py \(pip install -e '\.\[mpi\]'\)"):
+    with pytest.raises(LaunchError, match=r"install mpi4py \(pip install -e '\.\[mpi\]'\)"):
         cluster.detect({"PMI_SIZE": "4", "PMI_RANK": "1"})
     # Forced through --cluster=mpi4py, Open MPI 4 too.
-    with pytest.raises(cluster.LaunchError, match="rank 2 of an MPI job of 32 ranks"):
+    with pytest.raises(LaunchError, match="rank 2 of an MPI job of 32 ranks"):
         cluster.detect(OMPI_PER_GPU, "mpi4py")
 
 
 def test_uneven_shares_of_a_node_s_gpus_are_refused(tmp_path):
     three = cluster.Launch("slurm", 3, 1, local_processes=3, local_rank=1)
-    with pytest.raises(cluster.LaunchError) as error:
+    with pytest.raises(LaunchError) as error:
         cluster.local_devices(three, 8, {"SLURM_GPUS_ON_NODE": "8"}, gpu_host(tmp_path))
     assert "the 3 processes on this host all see the same 8 GPUs" in str(error.value)
     assert "--gpus-per-task=1" in str(error.value) and "--gpus-per-node=8" in str(error.value)

@@ -18,6 +18,7 @@ from largebatch_jax import step as step_lib
 from largebatch_jax.data import idx, loader, photos, sources, transforms
 from largebatch_jax.data import jpeg as jpeg_lib
 from largebatch_jax.data.photos import photo_jpeg
+from largebatch_jax.errors import DatasetNotPreparedError, UnreadableImageError
 from largebatch_jax.models import create_model
 from tests.runs import call, foreign_lines, prepare_with_a_bad_record, run
 
@@ -322,13 +323,13 @@ def test_an_undecodable_image_is_one_error_naming_the_record(workers):
     images[6] = b"not an image at all"
     aug = loader.default_augmentation(sources.SPECS["imagenet2012"], 32)
     train = loader.TrainLoader(ListSource(images), aug, 4, seed=0, num_steps=2, workers=workers)
-    with pytest.raises(loader.UnreadableImageError) as e:
+    with pytest.raises(UnreadableImageError) as e:
         list(train)
     message = str(e.value)
     assert "\n" not in message
     assert ("training record 5 (img_5.jpg)" in message) != ("record 6 (img_6.jpg)" in message)
     assert "re-encode or remove" in message
-    with pytest.raises(loader.UnreadableImageError, match=r"validation record 5 \(img_5.jpg\)"):
+    with pytest.raises(UnreadableImageError, match=r"validation record 5 \(img_5.jpg\)"):
         list(loader.eval_batches(ListSource(images), aug, 4, workers=workers))
 
 
@@ -464,7 +465,7 @@ def test_large_image_batches_are_uint8_and_normalised_like_the_host_did():
 
 
 def test_missing_dataset_is_one_line_with_the_command(tmp_path):
-    with pytest.raises(sources.DatasetNotPreparedError) as e:
+    with pytest.raises(DatasetNotPreparedError) as e:
         sources.load_source("imagenet2012", "train", str(tmp_path))
     message = str(e.value)
     assert "\n" not in message

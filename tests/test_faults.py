@@ -25,9 +25,9 @@ from largebatch_jax import lock as lock_module
 from largebatch_jax import record as run_record
 from largebatch_jax import workdir as wd
 from largebatch_jax.data import sources
+from largebatch_jax.errors import ConfigError, WorkdirError
 from largebatch_jax.lock import WorkdirLock, process_start_time
 from largebatch_jax.metrics import read_metrics
-from largebatch_jax.validate import ConfigError
 from tests.runs import (
     LONGER,
     ROOT,
@@ -601,16 +601,16 @@ def test_lock_staleness(tmp_path):
     lock = WorkdirLock(tmp_path)
     lock.path.write_text(json.dumps({"pid": dead_pid, "host": lock.me["host"], "since": "x"}))
     assert "stale lock" in lock.acquire()
-    with pytest.raises(wd.WorkdirError, match=r"in use by another run \(pid \d+ on "):
+    with pytest.raises(WorkdirError, match=r"in use by another run \(pid \d+ on "):
         WorkdirLock(tmp_path).acquire()  # this process holds it
     old = time.time() - 120
     os.utime(lock.path, (old, old))  # a stopped run: on its own host the pid decides
-    with pytest.raises(wd.WorkdirError, match="in use by another run"):
+    with pytest.raises(WorkdirError, match="in use by another run"):
         WorkdirLock(tmp_path).acquire()
     lock.release()
     assert not lock.path.exists()
     lock.path.write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "x"}))
-    with pytest.raises(wd.WorkdirError, match="pid 1 on elsewhere, since x"):
+    with pytest.raises(WorkdirError, match="pid 1 on elsewhere, since x"):
         WorkdirLock(tmp_path).acquire()
     old = time.time() - 120
     os.utime(lock.path, (old, old))  # elsewhere's heartbeat stopped two minutes ago
@@ -705,7 +705,7 @@ def test_the_lock_is_taken_where_a_link_fails(tmp_path, monkeypatch):
         lock = WorkdirLock(tmp_path)
         assert lock.acquire() is None
         assert json.loads(lock.path.read_text())["token"] == lock.token()
-        with pytest.raises(wd.WorkdirError, match="in use by another run"):
+        with pytest.raises(WorkdirError, match="in use by another run"):
             WorkdirLock(tmp_path).acquire()
         lock.release()
         assert list(tmp_path.iterdir()) == [], link
@@ -722,7 +722,7 @@ def test_a_lock_naming_a_reused_pid_or_torn_is_stale(tmp_path):
         lock = WorkdirLock(tmp_path)
         holder = {"pid": innocent.pid, "host": lock.me["host"], "since": "x"}
         lock.path.write_text(json.dumps({**holder, "started": started}))
-        with pytest.raises(wd.WorkdirError, match=f"pid {innocent.pid} on"):
+        with pytest.raises(WorkdirError, match=f"pid {innocent.pid} on"):
             lock.acquire()  # its own process is alive: a live run
         lock.path.write_text(json.dumps({**holder, "started": started - 1}))
         assert f"stale lock {lock.path} of pid {innocent.pid}" in lock.acquire()
@@ -733,7 +733,7 @@ def test_a_lock_naming_a_reused_pid_or_torn_is_stale(tmp_path):
     for torn in ("", '{"pid": 12'):
         lock = WorkdirLock(tmp_path)
         lock.path.write_text(torn)
-        with pytest.raises(wd.WorkdirError, match="being locked by another run this instant"):
+        with pytest.raises(WorkdirError, match="being locked by another run this instant"):
             lock.acquire()  # being written this instant
         old = time.time() - 2 * WorkdirLock.TORN_SECONDS
         os.utime(lock.path, (old, old))
@@ -924,7 +924,7 @@ def test_a_workdir_on_a_mount_of_an_object_store_is_refused(tmp_path):
         "rn50-bucket /mnt/gcs\\040bucket fuse.gcsfuse rw,nosuid 0 0\n"
         "10.0.0.2:/share /mnt/shared nfs4 rw 0 0\n"
     )
-    with pytest.raises(wd.WorkdirError) as error:
+    with pytest.raises(WorkdirError) as error:
         wd.resolve("/mnt/gcs bucket/rn50/run1", str(mounts))
     assert "is on a fuse.gcsfuse mount of an object store" in str(error.value)
     assert "Filestore share" in str(error.value) and "\n" not in str(error.value)

@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 
 from configs import smoke
-from largebatch_jax import builder, grouped, parallel
+from largebatch_jax import builder, parallel
 from largebatch_jax.aot import programs
+from largebatch_jax.plan import Facts, resolve
 
 
 def _training(devices: int):
     config = smoke.get_config()
     config.reduction = "exact"
     engine = parallel.DataParallel(parallel.create_mesh(jax.devices()[:devices]))
-    training = builder.build_training(config, engine, 16, abstract=True)
+    plan = resolve(config, Facts(engine.num_devices, "cpu"))
+    training = builder.build_training(config, plan, engine, abstract=True)
     batch = programs.batch_spec(
         engine, config.batch_size // devices, training.input_shape, np.uint8
     )
@@ -64,9 +66,9 @@ def test_every_group_runs_one_program_for_n_images_the_same_in_every_layout(chai
 def test_the_chain_is_counted_run_by_run_by_the_compile_tool():
     _, _, training, batch = _training(4)  # 4 groups per device
     lowered = training.train_step.lower(training.state, batch)
-    assert isinstance(lowered, grouped.LoweredGroups)
+    assert [p.name for p in lowered.programs] == ["split", "group", "mean", "update"]
     chain = programs.analyse(lowered, "cpu")
-    alone = {p.name: programs.analyse(p.program, "cpu") for p in lowered.programs}
+    alone = {p.name: programs.analyse_program(p.program, "cpu") for p in lowered.programs}
     assert chain.chain == ("split x 1", "group x 4", "mean x 1", "update x 1")
     assert chain.flops == pytest.approx(
         4 * alone["group"].flops + sum(alone[n].flops for n in ("split", "mean", "update"))
@@ -84,7 +86,7 @@ def test_the_chain_is_counted_run_by_run_by_the_compile_tool():
 
 def test_the_chain_runs_compiled_or_called_with_the_same_bits():
     config, engine, _, _ = _training(4)
-    real = builder.build_training(config, engine, 16)
+    real = builder.build_training(config, resolve(config, Facts(engine.num_devices, "cpu")), engine)
     rng = np.random.default_rng(0)
     batch = engine.shard_batch(
         {

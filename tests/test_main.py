@@ -15,9 +15,9 @@ from PIL import Image
 from configs import smoke
 from largebatch_jax import builder, train
 from largebatch_jax.data import sources, transforms
+from largebatch_jax.errors import ConfigError
 from largebatch_jax.metrics import read_metrics
 from largebatch_jax.train import paper_metric
-from largebatch_jax.validate import ConfigError
 from tests.runs import (
     LONGER,
     PLUGIN_LINE,

@@ -86,8 +86,9 @@ def test_step_flops_counts_every_program_of_the_chain():
     matmul = jax.jit(lambda a, b: a @ b)
     lowered = matmul.lower(x, w)
     compiled = lowered.compile()
-    assert step_flops(lowered, compiled, "cpu") == 2 * 64 * 32 * 16
     program = types.SimpleNamespace
+    one = program(programs=[program(program=lowered, runs=1, name="step")])
+    assert step_flops(one, program(programs=[program(program=compiled)]), "cpu") == 2 * 64 * 32 * 16
     chain = program(programs=[program(program=lowered, runs=3, name="group")])
     done = program(programs=[program(program=compiled, runs=3, name="group")])
     assert step_flops(chain, done, "cpu") == 3 * 2 * 64 * 32 * 16

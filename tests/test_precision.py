@@ -10,6 +10,7 @@ from configs import smoke
 from largebatch_jax import parallel
 from largebatch_jax.builder import build_training
 from largebatch_jax.data import loader, sources
+from largebatch_jax.plan import Facts, resolve
 
 STEPS = 12
 
@@ -18,7 +19,7 @@ def run_steps(dtype, batches, config):
     """The program main.py runs for the smoke config (the shared builder), in `dtype`."""
     config.dtype = dtype
     engine = parallel.DataParallel(parallel.create_mesh())
-    training = build_training(config, engine, steps_per_epoch=1024 // 64)
+    training = build_training(config, resolve(config, Facts(engine.num_devices, "cpu")), engine)
     state, losses = training.state, []
     for batch in batches:
         state, metrics = training.train_step(state, engine.shard_batch(batch))

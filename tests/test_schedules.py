@@ -6,7 +6,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from largebatch_jax import schedules
+from largebatch_jax import fields, schedules
+from largebatch_jax.plan import check_fields, learning_rate
 
 IMAGENET_TRAIN = 1_281_167
 
@@ -32,7 +33,7 @@ def config(batch_size, **overrides):
 
 
 def values(cfg, steps_per_epoch, steps):
-    fn = schedules.create_learning_rate_schedule(cfg, steps_per_epoch)
+    fn = learning_rate(cfg, steps_per_epoch).schedule()
     return np.asarray(fn(np.asarray(steps)), np.float64)
 
 
@@ -164,5 +165,7 @@ def test_fractional_epochs_are_iterations():
     ],
 )
 def test_bad_values_name_the_field(field, value):
+    full = fields.default_config()
+    full.update(config(8192, **{field: value}))
     with pytest.raises(ValueError, match=field):
-        schedules.create_learning_rate_schedule(config(8192, **{field: value}), 100)
+        check_fields(full)

@@ -18,9 +18,10 @@ import optax
 import pytest
 from flax import linen as nn
 
-from largebatch_jax import exact, optim, parallel, schedules
+from largebatch_jax import exact, optim, parallel
 from largebatch_jax import step as step_lib
 from largebatch_jax.models import create_model
+from largebatch_jax.plan import Facts, check_layout, learning_rate, micro_batch, resolve
 
 KN, N, CLASSES, SIZE = 32, 4, 10, 8
 RNG = np.random.default_rng(0)
@@ -46,7 +47,7 @@ SCHEDULE_CONFIG = ml_collections.ConfigDict(
         num_epochs=2.0,
     )
 )
-LR_FN = schedules.create_learning_rate_schedule(SCHEDULE_CONFIG, steps_per_epoch=4)
+LR_FN = learning_rate(SCHEDULE_CONFIG, steps_per_epoch=4).schedule()
 TX = optim.create_optimizer(LR_FN, weight_decay=1e-4)
 TXS = {"sgd": TX, "lars": optim.create_optimizer(LR_FN, optimizer="lars", weight_decay=1e-4)}
 
@@ -82,7 +83,7 @@ def run(
     optimizer="sgd",
 ):
     engine = parallel.DataParallel(parallel.create_mesh(jax.devices()[:devices]), parallelism)
-    parallel.micro_batch_size(KN, devices, accum_steps, bn_group_size)
+    micro_batch(KN, devices, accum_steps, bn_group_size)
     net = model(bn_group_size, bn_sync)
     tx = TXS[optimizer]
     step = engine.map(
@@ -251,7 +252,7 @@ def test_eval_counts_every_real_image_once():
 )
 def test_bad_geometry_names_the_field_and_numbers(args, message):
     with pytest.raises(ValueError, match=message):
-        parallel.micro_batch_size(*args)
+        micro_batch(*args)
 
 
 def test_bad_parallelism():
@@ -430,27 +431,26 @@ def test_exact_eval_is_bit_identical_on_every_layout_and_counts_each_image_once(
 )
 def test_exact_mode_config_limits_are_one_line(changes, devices, message):
     from configs import smoke
-    from largebatch_jax.validate import ConfigError, validate_config
+    from largebatch_jax.errors import ConfigError
 
     config = smoke.get_config()
     config.reduction = "exact"
-    validate_config(config, devices, "gpu")  # the smoke config itself is fine
+    check_layout(config, devices, "gpu")  # the smoke config itself is fine
     config.update(changes)
     if "parallelism" in changes:  # pmap is fine on the other platforms
-        validate_config(config, devices, "tpu")
+        check_layout(config, devices, "tpu")
     with pytest.raises(ConfigError, match=message):
-        validate_config(config, devices, "gpu")
+        check_layout(config, devices, "gpu")
 
 
 def test_exact_mode_takes_lars():
     from configs import smoke
-    from largebatch_jax.validate import validate_config
 
     config = smoke.get_config()
     config.optimizer = "lars"
     assert config.reduction == "exact"  # the default
     for platform in ("cpu", "gpu", "tpu"):
-        validate_config(config, 8, platform)
+        check_layout(config, 8, platform)
 
 
 class _Tiny(nn.Module):
@@ -499,7 +499,9 @@ def test_pixels_become_float32_one_micro_batch_at_a_time(reduction):
     config = smoke.get_config()
     config.batch_size, config.accum_steps, config.reduction = 8 * 32, 4, reduction
     engine = parallel.DataParallel(parallel.create_mesh())
-    training = builder.build_training(config, engine, 16, abstract=True)
+    training = builder.build_training(
+        config, resolve(config, Facts(8, "cpu")), engine, abstract=True
+    )
     shape = (config.batch_size, *training.input_shape)
     sharded = jax.sharding.NamedSharding(engine.mesh, jax.sharding.PartitionSpec(parallel.AXIS))
     batch = {

@@ -11,7 +11,8 @@ from typing import Any
 
 from configs import overrides as config_overrides
 from largebatch_jax import schedules
-from largebatch_jax.validate import ConfigError, validate_config, validate_fields
+from largebatch_jax.errors import ConfigError
+from largebatch_jax.plan import check_fields, check_layout
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 # `devices` is not a config field: the number of (fake CPU) devices a run uses, which
@@ -99,6 +100,6 @@ def check_run(defaults: Any, overrides: dict[str, Any], devices: int | None, nam
             config[field] = value
     devices = overrides.get("devices", devices)
     try:
-        validate_config(config, devices) if devices else validate_fields(config)
+        check_layout(config, devices) if devices else check_fields(config)
     except ConfigError as e:
         raise SweepError(f"run {name}: {e}") from None

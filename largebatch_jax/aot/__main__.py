@@ -22,9 +22,8 @@ with host.plugin_noise_filtered():
     from absl import app, flags
     from ml_collections import config_flags
 
-    from largebatch_jax import builder, exact, parallel
+    from largebatch_jax import exact, parallel
     from largebatch_jax.aot import programs, report, targets
-    from largebatch_jax.validate import validate_config
     from largebatch_jax.workdir import output_file_problem
 
     jax.devices()  # the backend starts here, and JAX loads its plugins
@@ -70,14 +69,14 @@ def _sized(config: Any, where: Any, unit: str, per_device_batch: str | None) -> 
     return config
 
 
-def _header(config: Any, target: Any, devices: int, micro: int, unit: str, assembler: str) -> str:
-    options = exact.compiler_options(target.platform) if config.reduction == "exact" else {}
+def _header(config: Any, plan: Any, target: Any, unit: str, assembler: str) -> str:
+    options = exact.compiler_options(target.platform) if plan.reduction == "exact" else {}
     return (
-        f"{config.model} kn={config.batch_size} n={config.bn_group_size} {config.dtype} "
-        f"{config.image_size}x{config.image_size} reduction={config.reduction} on "
-        f"{target.chip.name} {target.name} ({devices} {unit}s): {micro} images per {unit} x "
-        f"{config.accum_steps} accum_steps (resolved for {target.platform}: accum_loop "
-        f"{parallel.resolve_accum_loop(config.accum_loop, target.platform)}, max-pool "
+        f"{config.model} kn={plan.kn} n={plan.n} {plan.dtype} "
+        f"{config.image_size}x{config.image_size} reduction={plan.reduction} on "
+        f"{target.chip.name} {target.name} ({plan.devices} {unit}s): {plan.micro_batch} images "
+        f"per {unit} x {plan.accum_steps} accum_steps (resolved for {target.platform}: "
+        f"accum_loop {plan.accum_loop}, max-pool "
         f"gradient {'slices' if parallel.is_gpu(target.platform) else 'xla'}"
         + (f", XLA options {options}" if options else "")
         + f") | jax {jax.__version__}"
@@ -85,11 +84,11 @@ def _header(config: Any, target: Any, devices: int, micro: int, unit: str, assem
     )
 
 
-def _gradient_line(config: Any, ours: dict) -> str:
+def _gradient_line(plan: Any, ours: dict) -> str:
     expected = programs.gradient_and_statistics_bytes(ours["state"])
     # The gradients travel in the all-reduces (fast), or the all-to-all (exact: the
     # reduce-scatter half of its deterministic sum).
-    kind = "all-to-all" if config.reduction == "exact" else "all-reduce"
+    kind = "all-to-all" if plan.reduction == "exact" else "all-reduce"
     carried = sum(c.bytes for c in ours["train"].collectives if c.kind == kind)
     return (
         f"gradients + BN statistics + 2 scalars: {report.size(expected)}; the train step's "
@@ -103,13 +102,13 @@ def _gradient_line(config: Any, ours: dict) -> str:
     )
 
 
-def _reference(config: Any, where: Any, mine: Any, micro: int, unit: str) -> tuple[list, Any]:
+def _reference(config: Any, plan: Any, where: Any, mine: Any, unit: str) -> tuple[list, Any]:
     """The Flax-example-style step compiled for the same target, and ours against it."""
-    chip = where.target.chip
+    chip, micro = where.target.chip, plan.micro_batch
     ref = programs.compile_reference(config, where, micro)
     lines = report.describe("train step (reference, Flax example style)", ref, chip, unit, micro)
     # Per image: the reference has no accumulation, one step is one micro-batch.
-    steps = config.accum_steps
+    steps = plan.accum_steps
     for label, a, b in (
         ("bytes accessed", mine.bytes_accessed / steps, ref.bytes_accessed),
         ("temporaries", mine.temp_bytes, ref.temp_bytes),
@@ -140,33 +139,33 @@ def run(
     devices = where.engine.num_devices
     unit = "GPU" if target.platform == "cuda" else "chip"
     config = _sized(config, where, unit, per_device_batch)
-    micro = validate_config(config, devices, target.platform)  # main.py's, for the target
-    print(_header(config, target, devices, micro, unit, assembler), flush=True)
+    plan = programs.plan_for(config, where)  # main.py's checks, for the target
+    print(_header(config, plan, target, unit, assembler), flush=True)
     print(f"FLOPs and bytes: {programs.COST_SOURCES[target.platform]}.", flush=True)
-    ours = programs.compile_ours(config, where, builder.known_steps_per_epoch(config))
-    images = config.batch_size // devices
+    ours = programs.compile_ours(config, plan, where)
+    images = plan.micro_batch * plan.accum_steps
     lines = report.describe("train step (ours)", ours["train"], target.chip, unit, images)
     if ours["extrapolated"]:
         lines.append(
-            f"  (FLOPs and bytes: {config.accum_steps} micro-steps, extrapolated from the 1- and "
+            f"  (FLOPs and bytes: {plan.accum_steps} micro-steps, extrapolated from the 1- and "
             "2-micro-step unrolled programs; XLA counts a loop body once)"
         )
-    eval_images = max(1, config.eval_batch_size // devices)
+    eval_images = plan.eval_batch_per_device
     lines += report.describe("eval step (ours)", ours["eval"], target.chip, unit, eval_images)
-    lines.append(_gradient_line(config, ours))
+    lines.append(_gradient_line(plan, ours))
     figures: dict[str, Any] = {
         "target": target.name,
         "devices": devices,
-        "per_device_batch": micro,
-        "accum_steps": config.accum_steps,
-        "dtype": config.dtype,
-        "reduction": config.reduction,
+        "per_device_batch": plan.micro_batch,
+        "accum_steps": plan.accum_steps,
+        "dtype": plan.dtype,
+        "reduction": plan.reduction,
         "train": report.as_dict(ours["train"], target.chip, images),
         "eval": report.as_dict(ours["eval"], target.chip, eval_images),
         "gradients_and_statistics_bytes": programs.gradient_and_statistics_bytes(ours["state"]),
     }
     if reference:
-        ref_lines, figures["reference"] = _reference(config, where, ours["train"], micro, unit)
+        ref_lines, figures["reference"] = _reference(config, plan, where, ours["train"], unit)
         lines += ref_lines
     print("\n".join(lines), flush=True)
     if json_path:

@@ -14,9 +14,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from largebatch_jax import builder, grouped, parallel
+from largebatch_jax import builder, parallel
 from largebatch_jax.aot import hlo
 from largebatch_jax.aot.targets import Accelerator, Target
+from largebatch_jax.plan import Facts, Plan, resolve
 from largebatch_jax.utilization import counts_every_micro_step, hlo_cost, program_flops
 
 
@@ -34,9 +35,9 @@ class Compiled:
     collectives: list[hlo.Collective]
     compile_s: float
     audit: hlo.Audit
-    # A chain of programs (grouped.LoweredGroups): "name x runs" each, and the one at
-    # which the most is live (its outputs and temporaries, with what the caller holds
-    # then as the arguments). Empty for a single program.
+    # A chain of several programs (the exact step's, grouped.py): "name x runs" each, and
+    # the one at which the most is live (its outputs and temporaries, with what the
+    # caller holds then as the arguments). Empty for a single program.
     chain: tuple[str, ...] = ()
     peak: str = ""
 
@@ -88,10 +89,18 @@ def _gpu_cost(lowered: Any, compiled: Any, text: str) -> tuple[float, float]:
     return float(flops), float(accessed)
 
 
-def analyse(lowered: Any, platform: str, options: dict[str, Any] | None = None) -> Compiled:
-    """Compile a lowered program and read its memory, cost and collective figures."""
-    if isinstance(lowered, grouped.LoweredGroups):
+def analyse(
+    lowered: parallel.LoweredChain, platform: str, options: dict[str, Any] | None = None
+) -> Compiled:
+    """Compile a lowered step (`DataParallel.map(...).lower`) and read its memory, cost
+    and collective figures: of its one program, or of its chain of programs."""
+    if len(lowered.programs) > 1:
         return _analyse_chain(lowered, platform, options)
+    return analyse_program(lowered.programs[0].program, platform, options)
+
+
+def analyse_program(lowered: Any, platform: str, options: dict[str, Any] | None = None) -> Compiled:
+    """Compile one lowered program and read its memory, cost and collective figures."""
     began = time.perf_counter()
     compiled = lowered.compile(options or None)
     compile_s = time.perf_counter() - began
@@ -119,12 +128,12 @@ def analyse(lowered: Any, platform: str, options: dict[str, Any] | None = None) 
 
 
 def _analyse_chain(
-    chain: grouped.LoweredGroups, platform: str, options: dict[str, Any] | None
+    chain: parallel.LoweredChain, platform: str, options: dict[str, Any] | None
 ) -> Compiled:
     """A step made of several programs run one after another (the exact mode's): FLOPs,
     bytes and collectives of every run added up; memory at the program where the most
-    is live, counting what the caller holds meanwhile (`LoweredGroups.held_bytes`)."""
-    parts = [(p, analyse(p.program, platform, options)) for p in chain.programs]
+    is live, counting what the caller holds meanwhile (`LoweredChain.held_bytes`)."""
+    parts = [(p, analyse_program(p.program, platform, options)) for p in chain.programs]
 
     def live(part) -> int:
         p, c = part
@@ -180,29 +189,32 @@ def batch_spec(engine: parallel.DataParallel, per_device: int, shape: Sequence[i
     }
 
 
-def _train_program(config: Any, where: Site, steps_per_epoch: int):
-    training = builder.build_training(
-        config, where.engine, steps_per_epoch, platform=where.platform, abstract=True
-    )
-    per_device = config.batch_size // where.engine.num_devices
+def plan_for(config: Any, where: Site) -> Plan:
+    """The config's plan on the target's devices, with its dataset's known size (no data
+    is loaded): every check main.py makes there, in one line."""
+    return resolve(config, Facts(devices=where.engine.num_devices, platform=where.platform))
+
+
+def _train_program(config: Any, plan: Plan, where: Site):
+    training = builder.build_training(config, plan, where.engine, abstract=True)
+    per_device = plan.micro_batch * plan.accum_steps
     batch = batch_spec(where.engine, per_device, training.input_shape, np.uint8)
     lowered = training.train_step.lower(training.state, batch)
     return training, analyse(lowered, where.platform, where.options)
 
 
-def unrolled_cost(config: Any, where: Site, steps_per_epoch: int) -> tuple[float, float]:
+def unrolled_cost(config: Any, plan: Plan, where: Site) -> tuple[float, float]:
     """FLOPs and bytes of an update of `accum_steps` micro-steps. XLA's cost analysis
     counts a loop body once, so the scanned program under-reports; the Python-unrolled
     program of A micro-steps costs C1 + (A - 1) (C2 - C1) (C1, C2: 1 and 2 micro-steps
     unrolled at the same micro-batch; every micro-step adds the same ops)."""
-    micro = config.batch_size // (where.engine.num_devices * config.accum_steps)
     costs = []
     for a in (1, 2):
         c = config.copy_and_resolve_references()
         c.accum_steps, c.accum_loop = a, "unroll"
-        c.batch_size = micro * a * where.engine.num_devices
-        costs.append(_train_program(c, where, steps_per_epoch)[1])
-    a = config.accum_steps
+        c.batch_size = plan.micro_batch * a * plan.devices
+        costs.append(_train_program(c, plan_for(c, where), where)[1])
+    a = plan.accum_steps
     one, two = costs
     return (
         one.flops + (a - 1) * (two.flops - one.flops),
@@ -210,22 +222,17 @@ def unrolled_cost(config: Any, where: Site, steps_per_epoch: int) -> tuple[float
     )
 
 
-def compile_ours(config: Any, where: Site, steps_per_epoch: int) -> dict:
+def compile_ours(config: Any, plan: Plan, where: Site) -> dict:
     """Our train and eval steps for `config` on the target, as main.py builds them there
     (memory and collectives of that program; its FLOPs and bytes from `unrolled_cost`
     where it loops over micro-steps)."""
-    training, train = _train_program(config, where, steps_per_epoch)
-    looped = not counts_every_micro_step(
-        config.reduction,
-        config.accum_steps,
-        parallel.resolve_accum_loop(config.accum_loop, where.platform),
-    )
+    training, train = _train_program(config, plan, where)
+    looped = not counts_every_micro_step(plan.reduction, plan.accum_steps, plan.accum_loop)
     if looped:
-        flops, accessed = unrolled_cost(config, where, steps_per_epoch)
+        flops, accessed = unrolled_cost(config, plan, where)
         train = dataclasses.replace(train, flops=flops, bytes_accessed=accessed)
     engine = where.engine
-    eval_per_device = max(1, config.eval_batch_size // engine.num_devices)
-    eval_batch = batch_spec(engine, eval_per_device, training.input_shape, np.uint8)
+    eval_batch = batch_spec(engine, plan.eval_batch_per_device, training.input_shape, np.uint8)
     eval_batch["mask"] = jax.ShapeDtypeStruct(
         eval_batch["label"].shape, np.bool_, sharding=eval_batch["label"].sharding
     )
@@ -281,7 +288,7 @@ def fits(config: Any, where: Site, micro: int) -> Compiled | None:
     config = config.copy_and_resolve_references()
     config.batch_size, config.accum_steps = micro * where.engine.num_devices, 1
     try:
-        compiled = _train_program(config, where, 1)[1]
+        compiled = _train_program(config, plan_for(config, where), where)[1]
     except Exception as e:
         if is_out_of_memory(e):
             return None

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from largebatch_jax.data.errors import DatasetNotPreparedError
+from largebatch_jax.errors import DatasetNotPreparedError
 
 DEFAULT_IDX_DIR = "/usr/share/datasets/fashion-mnist"
 

@@ -27,21 +27,14 @@ import numpy as np
 from absl import flags
 
 from largebatch_jax.data import transforms
-from largebatch_jax.data.sources import DatasetSpec
+from largebatch_jax.data.sources import DatasetSpec, steps_per_epoch
+from largebatch_jax.errors import UnreadableImageError
 
 
 def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
     """Paper Remark 4: one random permutation of the whole training set per epoch."""
     # Four words, unlike example_rng's three: the two streams never coincide.
     return np.random.default_rng([seed, epoch, 0, 4]).permutation(num_examples)
-
-
-def steps_per_epoch(num_examples: int, batch_size: int) -> int:
-    if batch_size > num_examples:
-        raise ValueError(
-            f"batch_size={batch_size} is larger than the training set ({num_examples})."
-        )
-    return num_examples // batch_size
 
 
 def process_share(batch_size: int, process_index: int, process_count: int) -> slice:
@@ -107,10 +100,6 @@ def default_augmentation(
     if spec.name == "cifar10":
         return Augmentation(spec, image_size, pad_crop=4, flip=True)
     return Augmentation(spec, image_size, color_augment=color_augment)
-
-
-class UnreadableImageError(ValueError):
-    """A record whose encoded image cannot be decoded (a truncated or mislabelled file)."""
 
 
 def _transform(fn: Any, record: dict, index: int, split: str) -> np.ndarray:

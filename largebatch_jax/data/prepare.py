@@ -22,7 +22,8 @@ from absl import app, flags
 
 from largebatch_jax import errors, host
 from largebatch_jax.data import sources
-from largebatch_jax.lock import WorkdirError, WorkdirLock
+from largebatch_jax.errors import DatasetNotPreparedError, WorkdirError
+from largebatch_jax.lock import WorkdirLock
 from largebatch_jax.metrics import filter_library_logs
 
 flags.DEFINE_string(
@@ -68,7 +69,7 @@ def main(argv):
                 overwrite=FLAGS.overwrite,
                 report=lambda line: print(line, file=out, flush=True),
             )
-    except (sources.DatasetNotPreparedError, ValueError) as e:
+    except (DatasetNotPreparedError, ValueError) as e:
         _fail(e)
     finally:
         lock.release()

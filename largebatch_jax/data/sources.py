@@ -21,8 +21,8 @@ import numpy as np
 from absl import logging
 
 from largebatch_jax.data import folder
-from largebatch_jax.data.errors import DatasetChangedError, DatasetNotPreparedError
 from largebatch_jax.data.idx import DEFAULT_IDX_DIR, local_fashion_mnist_builder
+from largebatch_jax.errors import DatasetChangedError, DatasetNotPreparedError
 
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
 IMAGENET_STD = (58.395, 57.12, 57.375)
@@ -64,6 +64,17 @@ FOLDER_PREFIX = "image_folder/"
 # Training-set sizes, for what must know the steps per epoch without the data (the
 # benchmark, an ahead-of-time compile): the schedule's epoch boundaries depend on it.
 TRAIN_SIZES = {"imagenet2012": 1_281_167, "fashion_mnist": 60_000, "cifar10": 50_000}
+
+
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+    """Updates per epoch: whole minibatches of kn, the remainder of N / kn dropped
+    (Remark 4's epoch, `loader.train_step_indices`): 156 for kn=8192 on ImageNet's
+    1,281,167 images."""
+    if batch_size > num_examples:
+        raise ValueError(
+            f"batch_size={batch_size} is larger than the training set ({num_examples})."
+        )
+    return num_examples // batch_size
 
 
 def pixel_statistics(name: str) -> tuple[tuple[float, ...], tuple[float, ...], int | None]:

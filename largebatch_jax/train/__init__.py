@@ -16,7 +16,7 @@ from typing import Any
 from absl import logging
 
 from largebatch_jax.metrics import TrainClock, create_writer, run_summaries
-from largebatch_jax.train.errors import NonFiniteLossError, RunInterruptedError, one_line_error
+from largebatch_jax.train.faults import one_line_error
 from largebatch_jax.train.loop import run_steps
 from largebatch_jax.train.reporting import key_hyperparameters
 from largebatch_jax.train.result import RESULT, finish, finished_result, paper_metric
@@ -24,8 +24,6 @@ from largebatch_jax.train.setup import build, load_data
 from largebatch_jax.train.teardown import Closer
 
 __all__ = [
-    "NonFiniteLossError",
-    "RunInterruptedError",
     "build",
     "load_data",
     "paper_metric",
@@ -49,13 +47,13 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
             closer.close()
             return done
         clock = TrainClock(
-            run.total_steps, progress.step, progress.train_seconds, started_at=started
+            run.plan.total_steps, progress.step, progress.train_seconds, started_at=started
         )
         writer = create_writer(run.workdir, run.is_main)
         closer.parts.append(("metric writers", writer.close))
         if run.is_main:
             config_json = json.dumps(config.to_dict(), indent=2, default=str)
-            for summary in run_summaries(config_json, key_hyperparameters(config)):
+            for summary in run_summaries(config_json, key_hyperparameters(config, run.plan)):
                 writer.write_summary(progress.step, summary)
         state, preempted = run_steps(run, state, progress, writer, clock)
         closer.close()

@@ -1,6 +1,6 @@
 """What a run checks before it trains: that every process runs the same config, that
 one run at a time holds the workdir and every process sees it, that the workdir's record
-matches the config, and that the data fits the config. Each failure is one line."""
+matches the config. Each failure is one line."""
 
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ from jax.experimental import multihost_utils
 
 from largebatch_jax import cluster, fields
 from largebatch_jax import record as run_record
-from largebatch_jax import workdir as wd
-from largebatch_jax.data import sources
+from largebatch_jax.errors import ConfigError, WorkdirError
 from largebatch_jax.lock import WorkdirLock, read_lock_token
-from largebatch_jax.validate import ConfigError
+from largebatch_jax.plan import Plan
 
 
 def processes_agree(config: Any) -> None:
@@ -45,7 +44,7 @@ def lock_workdir(work: Path) -> WorkdirLock | None:
             note = lock.acquire()
             if note:
                 logging.warning("%s", note)
-        except wd.WorkdirError as e:
+        except WorkdirError as e:
             lock, error = None, str(e)
     if jax.process_count() > 1:
         held = multihost_utils.broadcast_one_to_all(np.int32(lock is not None or not error))
@@ -56,7 +55,7 @@ def lock_workdir(work: Path) -> WorkdirLock | None:
     if error:
         if lock is not None:
             lock.release()
-        raise wd.WorkdirError(error)
+        raise WorkdirError(error)
     return lock
 
 
@@ -91,9 +90,9 @@ def _check_workdir_shared(work: Path, lock: WorkdirLock | None) -> str:
 
 def against_record(
     config: Any,
+    plan: Plan,
     work: Path,
     checkpoints: list[int],
-    steps_per_epoch: int,
     stamped: Callable[[int], str | None] = lambda step: None,
 ) -> None:
     """The workdir's record of the config that defines its run, against this config
@@ -104,7 +103,7 @@ def against_record(
     recorded = run_record.read_record(work)
     if checkpoints and recorded is not None:
         try:
-            run_record.check_resume(recorded, config, max(checkpoints), steps_per_epoch)
+            run_record.check_resume(recorded, config, max(checkpoints), plan.steps_per_epoch)
         except ConfigError as e:
             identity = run_record.run_identity(config)
             differs = str(e).startswith("the run in this workdir was trained with")
@@ -124,26 +123,3 @@ def against_record(
         )
     if jax.process_index() == 0:
         run_record.write_record(work, config)
-
-
-def data_fits(config: Any, spec: sources.DatasetSpec, num_train: int) -> None:
-    if config.num_classes != spec.num_classes:
-        raise ConfigError(
-            f"config.num_classes={config.num_classes} but {config.dataset} has "
-            f"{spec.num_classes} classes: set num_classes={spec.num_classes}."
-        )
-    if config.channels != len(spec.mean):
-        raise ConfigError(
-            f"config.channels={config.channels} but {config.dataset} images have "
-            f"{len(spec.mean)}: set channels={len(spec.mean)}."
-        )
-    if not spec.large_images and spec.native_size % config.image_size:
-        raise ConfigError(
-            f"config.image_size={config.image_size} must divide {config.dataset}'s native size "
-            f"{spec.native_size} (images are downscaled by box averaging)."
-        )
-    if config.batch_size > num_train:
-        raise ConfigError(
-            f"config.batch_size={config.batch_size} is larger than the training set "
-            f"({num_train} images)."
-        )

@@ -12,9 +12,10 @@ from typing import Any
 import jax
 from absl import logging
 
-from largebatch_jax import errors, lock, parallel, schedules
+from largebatch_jax import errors, lock
 from largebatch_jax.metrics import TrainClock
-from largebatch_jax.train.errors import LOST_PROCESS_EXIT, first_line, lost_processes
+from largebatch_jax.plan import Plan
+from largebatch_jax.train.faults import LOST_PROCESS_EXIT, first_line, lost_processes
 from largebatch_jax.train.feed import InputFeed
 from largebatch_jax.train.profile import StepProfile
 from largebatch_jax.train.reporting import MetricLog, evaluate_and_log
@@ -43,14 +44,13 @@ class Triggers:
     last: int
 
     @classmethod
-    def of(cls, config: Any, steps_per_epoch: int, total_steps: int) -> Triggers:
-        eval_every = max(1, schedules.epochs_to_steps(config.eval_every_epochs, steps_per_epoch))
+    def of(cls, plan: Plan) -> Triggers:
         return cls(
-            config.log_every_steps,
-            steps_per_epoch,
-            eval_every,
-            config.checkpoint_every_steps,
-            total_steps,
+            plan.log_every_steps,
+            plan.steps_per_epoch,
+            plan.eval_every_steps,
+            plan.checkpoint_every_steps,
+            plan.total_steps,
         )
 
     def at(self, step: int) -> Due:
@@ -68,13 +68,11 @@ def compile_train_step(run: Run, clock: TrainClock, state: Any, batch: Any) -> t
     with clock.paused("compile"):
         lowered = run.training.train_step.lower(state, batch)
         compiled = lowered.compile()
-    c, platform = run.config, jax.default_backend()
-    counted = counts_every_micro_step(
-        c.reduction, c.accum_steps, parallel.resolve_accum_loop(c.accum_loop, platform)
-    )
+    plan = run.plan
+    counted = counts_every_micro_step(plan.reduction, plan.accum_steps, plan.accum_loop)
 
     def flops() -> float | None:
-        return step_flops(lowered, compiled, platform) if counted else None
+        return step_flops(lowered, compiled, plan.platform) if counted else None
 
     hardware = Hardware.of(jax.local_devices(), flops)
     if run.is_main:
@@ -173,7 +171,7 @@ def _steps(
 ) -> tuple[Any, int | None]:
     c = run.config
     stop_on_nonfinite = not c.skip_nonfinite  # the NaN policy
-    triggers = Triggers.of(c, run.data.steps_per_epoch, run.total_steps)
+    triggers = Triggers.of(run.plan)
     feed = InputFeed(run.train_loader, run.engine, c.prefetch_batches)
     log = MetricLog(run, progress, writer, clock, feed)
     profile = StepProfile.of(
@@ -191,7 +189,7 @@ def _steps(
     clock.start()
     try:
         with no_host_sync():
-            for step in range(progress.step + 1, run.total_steps + 1):
+            for step in range(progress.step + 1, run.plan.total_steps + 1):
                 if preemption.reached(step - 1):
                     # Every row of step - 1 is written: count its steps into the checkpoint.
                     with host_sync():

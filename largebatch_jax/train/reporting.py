@@ -8,10 +8,10 @@ from typing import Any
 import jax
 from absl import logging
 
-from largebatch_jax import schedules
 from largebatch_jax.data import loader
+from largebatch_jax.errors import NonFiniteLossError
 from largebatch_jax.metrics import TrainClock, format_eta, rate_and_eta
-from largebatch_jax.train.errors import NonFiniteLossError
+from largebatch_jax.plan import Plan
 from largebatch_jax.train.feed import InputFeed
 from largebatch_jax.train.state import Progress, Run
 from largebatch_jax.utilization import Hardware
@@ -74,7 +74,7 @@ class MetricLog:
         fetched = jax.device_get([m for _, m in self.pending])
         self.pending.clear()
         skipped = self.progress.skipped
-        spe = self.run.data.steps_per_epoch
+        spe = self.run.plan.steps_per_epoch
         for s, m in zip(steps, fetched, strict=True):
             if m["nonfinite"] and stop_on_nonfinite:
                 raise NonFiniteLossError(s, s / spe)
@@ -94,7 +94,7 @@ class MetricLog:
         if m["nonfinite"]:
             self.progress.skipped += 1
             return
-        epoch = str((step - 1) // self.run.data.steps_per_epoch)
+        epoch = str((step - 1) // self.run.plan.steps_per_epoch)
         sums = self.progress.epoch_sums.setdefault(epoch, [0.0, 0.0, 0])
         sums[0] += float(m["train_error"])
         sums[1] += float(m["train_loss"])
@@ -104,7 +104,7 @@ class MetricLog:
         run = self.run
         timing, eta = self._timing(step)
         scalars = {
-            "epoch": step / run.data.steps_per_epoch,
+            "epoch": run.plan.epoch(step),
             **{k: last[k] for k in TRAIN_SCALARS},
             "skipped_steps": self.progress.skipped,
             **timing,
@@ -115,7 +115,7 @@ class MetricLog:
                 "step %d/%d epoch %.2f | loss %.4g error %.4f lr %.4g | %s | ETA %s "
                 "(training time only)",
                 step,
-                run.total_steps,
+                run.plan.total_steps,
                 scalars["epoch"],
                 last["train_loss"],
                 last["train_error"],
@@ -132,7 +132,7 @@ class MetricLog:
         run = self.run
         steps, seconds = self.clock.interval(step)
         waited, fed = self.feed.take_wait()
-        rate, eta = rate_and_eta(steps, seconds, run.config.batch_size, run.total_steps - step)
+        rate, eta = rate_and_eta(steps, seconds, run.plan.kn, run.plan.total_steps - step)
         timing = {
             "images_per_sec": rate,
             "images_per_sec_per_device": rate / run.engine.num_devices,
@@ -175,7 +175,7 @@ class MetricLog:
 
     def end_epoch(self, step: int) -> None:
         """The epoch's mean training error and loss, over its finite updates."""
-        spe = self.run.data.steps_per_epoch
+        spe = self.run.plan.steps_per_epoch
         err, loss, count = self.progress.epoch_sums.pop(str(step // spe - 1), [0.0, 0.0, 0])
         if count:
             self.writer.write_scalars(
@@ -188,22 +188,20 @@ class MetricLog:
             )
 
 
-def key_hyperparameters(config: Any) -> dict[str, Any]:
+def key_hyperparameters(config: Any, plan: Plan) -> dict[str, Any]:
     """The run's key hyper-parameters in the paper's vocabulary (TensorBoard's HParams
     tab): kn, n, k, the peak rate eta, the warmup, the reduction and the dtype, and what
     tells runs apart besides."""
     c = config
     return {
-        "kn": c.batch_size,
-        "n": c.bn_group_size,
-        "k": c.batch_size // c.bn_group_size,
-        "peak_lr": schedules.peak_learning_rate(
-            c.base_lr, c.base_batch_size, c.batch_size, c.lr_scaling, c.lr_multiplier
-        ),
+        "kn": plan.kn,
+        "n": plan.n,
+        "k": plan.k,
+        "peak_lr": plan.peak_lr,
         "warmup": c.warmup,
         "warmup_epochs": float(c.warmup_epochs),
-        "reduction": c.reduction,
-        "dtype": c.dtype,
+        "reduction": plan.reduction,
+        "dtype": plan.dtype,
         "model": c.model,
         "dataset": c.dataset,
         "optimizer": c.optimizer,
@@ -235,7 +233,7 @@ def evaluate(run: Run, state: Any) -> dict:
     batches = loader.eval_batches(
         run.data.eval,
         run.data.augment,
-        run.config.eval_batch_size,
+        run.plan.eval_batch,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         workers=run.config.workers,
@@ -260,11 +258,11 @@ def evaluate(run: Run, state: Any) -> dict:
 def evaluate_and_log(run: Run, state: Any, writer: Any, clock: TrainClock, step: int) -> None:
     with clock.paused("eval"):
         result = evaluate(run, state)
-    writer.write_scalars(step, {"epoch": step / run.data.steps_per_epoch, **result})
+    writer.write_scalars(step, {"epoch": run.plan.epoch(step), **result})
     if run.is_main:
         logging.info(
             "eval at epoch %.2f: top-1 error %.4f top-5 %.4f",
-            step / run.data.steps_per_epoch,
+            run.plan.epoch(step),
             result["val_error_top1"],
             result["val_error_top5"],
         )

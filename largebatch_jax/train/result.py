@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from largebatch_jax import record, schedules
+from largebatch_jax import record
 from largebatch_jax import workdir as wd
 from largebatch_jax.checkpoint import tree_digest
 from largebatch_jax.metrics import TrainClock, read_metrics
@@ -37,8 +37,8 @@ def paper_metric(evals: list[dict], num_epochs: float, last_epochs: float) -> di
 def missing_evaluations(run: Run, used: list[dict]) -> list[float]:
     """The epochs of the evaluations that the paper's metric should use (those the loop
     made in the last `result_last_epochs` epochs) but metrics.jsonl does not hold."""
-    c, spe, total = run.config, run.data.steps_per_epoch, run.total_steps
-    triggers = Triggers.of(c, spe, total)
+    c, spe, total = run.config, run.plan.steps_per_epoch, run.plan.total_steps
+    triggers = Triggers.of(run.plan)
     first = c.num_epochs - c.result_last_epochs + 1e-9
     due = [s / spe for s in range(1, total + 1) if s / spe > first and triggers.at(s).evaluate]
     have = {round(e["epoch"], 9) for e in used}
@@ -64,7 +64,7 @@ def finish(run: Run, state: Any, progress: Progress, clock: TrainClock) -> dict:
         **({"evaluations_missing": missing} if missing else {}),
         "final_val_error_top1": final.get("val_error_top1"),
         "final_val_error_top5": final.get("val_error_top5"),
-        "steps": run.total_steps,
+        "steps": run.plan.total_steps,
         "epochs": c.num_epochs,
         "skipped_steps": progress.skipped,
         # Training time only (no evaluation, checkpoints or compiles), every session.
@@ -73,11 +73,9 @@ def finish(run: Run, state: Any, progress: Progress, clock: TrainClock) -> dict:
         "wall_seconds_this_session": clock.wall_seconds(),
         "paused_seconds_this_session": dict(clock.paused_seconds),
         "params_sha256": tree_digest(state.params),
-        "batch_size": c.batch_size,
-        "bn_group_size": c.bn_group_size,
-        "peak_learning_rate": schedules.peak_learning_rate(
-            c.base_lr, c.base_batch_size, c.batch_size, c.lr_scaling, c.lr_multiplier
-        ),
+        "batch_size": run.plan.kn,
+        "bn_group_size": run.plan.n,
+        "peak_learning_rate": run.plan.peak_lr,
         "config": c.to_dict(),
     }
     if run.is_main:
@@ -88,7 +86,7 @@ def finish(run: Run, state: Any, progress: Progress, clock: TrainClock) -> dict:
 def finished_result(run: Run, progress: Progress) -> dict | None:
     """A finished run's stored result: rerunning it trains nothing and rewrites nothing."""
     path = run.workdir / RESULT
-    if progress.step < run.total_steps or not path.exists():
+    if progress.step < run.plan.total_steps or not path.exists():
         return None
     try:
         return json.loads(path.read_text())

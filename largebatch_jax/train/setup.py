@@ -1,5 +1,5 @@
-"""Building a run: the checks (checks.py), the data, the step (builder.py), the newest
-readable checkpoint and the loader at its position."""
+"""Building a run: the checks (checks.py), the data, the plan (plan.py), the step
+(builder.py), the newest readable checkpoint and the loader at its position."""
 
 from __future__ import annotations
 
@@ -11,21 +11,22 @@ import jax
 from absl import logging
 from jax.experimental import multihost_utils
 
-from largebatch_jax import exact, parallel, schedules
+from largebatch_jax import parallel
 from largebatch_jax import record as run_record
 from largebatch_jax import workdir as wd
 from largebatch_jax.builder import build_training
 from largebatch_jax.checkpoint import Checkpointer
 from largebatch_jax.data import loader, sources
+from largebatch_jax.errors import ConfigError
 from largebatch_jax.metrics import filter_library_logs
+from largebatch_jax.plan import Facts, Plan, check, resolve
 from largebatch_jax.train import checks
 from largebatch_jax.train.state import Data, Progress, Run
 from largebatch_jax.train.teardown import Closer
-from largebatch_jax.validate import ConfigError, validate_config
 
 
 def load_data(config: Any) -> Data:
-    """The config's train and eval sources, transforms and steps per epoch."""
+    """The config's train and eval sources and transforms."""
     data_dir = sources.default_data_dir()
     if config.data_dir:
         data_dir = os.path.expanduser(config.data_dir)
@@ -42,13 +43,11 @@ def load_data(config: Any) -> Data:
             eval_src = sources.Subset(eval_src, config.eval_subset)
     except ValueError as e:
         raise ConfigError(f"config.train_subset / eval_subset: {e}") from None
-    checks.data_fits(config, spec, len(train_src))
     return Data(
         spec=spec,
         train=train_src,
         eval=eval_src,
         augment=loader.default_augmentation(spec, config.image_size, config.color_augment),
-        steps_per_epoch=loader.steps_per_epoch(len(train_src), config.batch_size),
     )
 
 
@@ -87,14 +86,14 @@ def _restore(ckpt: Checkpointer, template: Any, workdir: Path) -> tuple[Any, Pro
 
 
 def _train_loader(
-    config: Any, data: Data, total: int, progress: Progress, workdir: Path
+    config: Any, plan: Plan, data: Data, progress: Progress, workdir: Path
 ) -> loader.TrainLoader:
     train_loader = loader.TrainLoader(
         data.train,
         data.augment,
-        config.batch_size,
+        plan.kn,
         config.seed,
-        total,
+        plan.total_steps,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         workers=config.workers,
@@ -113,21 +112,20 @@ def _train_loader(
     return train_loader
 
 
-def _check_config(config: Any) -> None:
-    checks.processes_agree(config)  # first: every process must then take the same path
-    validate_config(config, jax.device_count(), jax.default_backend())
-    if config.reduction == "exact":
-        error = exact.check_cpu_threads(jax.default_backend(), jax.local_device_count())
-        if error:
-            raise ConfigError(error)
+def resolve_plan(config: Any, data: Data) -> Plan:
+    """The run's plan (plan.resolve) on this process's devices and the loaded data."""
+    facts = Facts.of_this_process(len(data.train), len(data.eval), data.spec)
+    return resolve(config, facts)
 
 
 def build(config: Any, workdir: str | Path) -> tuple[Run, Any, Progress]:
-    """Check the config, the processes and the workdir; load the data; wire the step
-    (`build_training`); restore the newest readable checkpoint. Returns the run, its
-    TrainState and its progress."""
+    """Check the processes and the config; check and lock the workdir; load the data;
+    resolve the run's plan (every cross-field check: those without data first, above);
+    wire the step (`build_training`); restore the newest readable checkpoint. Returns the
+    run, its TrainState and its progress."""
     filter_library_logs()
-    _check_config(config)
+    checks.processes_agree(config)  # first: every process must then take the same path
+    check(config, Facts.of_this_process())  # the config, before the workdir is touched
     engine = parallel.DataParallel(parallel.create_mesh(), config.parallelism)
     work = wd.resolve(workdir)
     wd.check_writable(work)
@@ -135,25 +133,23 @@ def build(config: Any, workdir: str | Path) -> tuple[Run, Any, Progress]:
     ckpt = None
     try:
         data = load_data(config)
+        plan = resolve_plan(config, data)
         ckpt = Checkpointer(
             work / "checkpoints", config.keep_checkpoints, run_record.run_identity(config)
         )
-        checks.against_record(
-            config, work, ckpt.steps(), data.steps_per_epoch, ckpt.stamped_identity
-        )
-        training = build_training(config, engine, data.steps_per_epoch)
+        checks.against_record(config, plan, work, ckpt.steps(), ckpt.stamped_identity)
+        training = build_training(config, plan, engine)
         state, progress = _restore(ckpt, training.state, work)
-        total = schedules.epochs_to_steps(config.num_epochs, data.steps_per_epoch)
         run = Run(
             config=config,
+            plan=plan,
             workdir=work,
             engine=engine,
             data=data,
             training=training,
             checkpointer=ckpt,
             lock=lock,
-            train_loader=_train_loader(config, data, total, progress, work),
-            total_steps=total,
+            train_loader=_train_loader(config, plan, data, progress, work),
             is_main=jax.process_index() == 0,
         )
     except BaseException:
@@ -163,25 +159,6 @@ def build(config: Any, workdir: str | Path) -> tuple[Run, Any, Progress]:
             lock.release()
         raise
     if run.is_main:
-        logging.info("%s", describe(run, progress.step))
+        start = f"resuming at step {progress.step}" if progress.step else "starting"
+        logging.info("%s | %s", plan.describe(), start)
     return run, state, progress
-
-
-def describe(run: Run, start: int) -> str:
-    """One line: the layout, the paper's quantities and where the run starts."""
-    c, engine = run.config, run.engine
-    micro = parallel.micro_batch_size(
-        c.batch_size, engine.num_devices, c.accum_steps, c.bn_group_size
-    )
-    peak = schedules.peak_learning_rate(
-        c.base_lr, c.base_batch_size, c.batch_size, c.lr_scaling, c.lr_multiplier
-    )
-    return (
-        f"devices={engine.num_devices} (local {engine.num_local_devices}) "
-        f"processes={jax.process_count()} | kn={c.batch_size} n={c.bn_group_size} "
-        f"k={c.batch_size // c.bn_group_size} accum_steps={c.accum_steps} | "
-        f"per device {micro} images/micro-step | local batch {run.train_loader.local_batch} | "
-        f"peak lr {peak:.4g} | {run.data.steps_per_epoch} steps/epoch, {run.total_steps} "
-        f"steps | {c.dataset}: {len(run.data.train)} train / {len(run.data.eval)} eval images"
-        f" | " + (f"resuming at step {start}" if start else "starting")
-    )

@@ -13,6 +13,7 @@ from largebatch_jax.builder import Training
 from largebatch_jax.checkpoint import Checkpointer
 from largebatch_jax.data import loader, sources
 from largebatch_jax.lock import WorkdirLock
+from largebatch_jax.plan import Plan
 
 
 @dataclasses.dataclass
@@ -44,15 +45,16 @@ class Data:
     train: Any
     eval: Any
     augment: loader.Augmentation
-    steps_per_epoch: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """Everything `setup.build` wires for the loop. The TrainState and the `Progress`
-    advance step by step and are passed beside it."""
+    """Everything `setup.build` wires for the loop: the config as written, its `plan`
+    (every derived quantity). The TrainState and the `Progress` advance step by step and
+    are passed beside it."""
 
     config: Any
+    plan: Plan
     workdir: Path
     engine: parallel.DataParallel
     data: Data
@@ -60,5 +62,4 @@ class Run:
     checkpointer: Checkpointer
     lock: WorkdirLock | None
     train_loader: loader.TrainLoader
-    total_steps: int
     is_main: bool

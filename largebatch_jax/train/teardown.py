@@ -6,7 +6,7 @@ from typing import Any
 
 from absl import logging
 
-from largebatch_jax.train.errors import first_line
+from largebatch_jax.train.faults import first_line
 
 
 class Closer:

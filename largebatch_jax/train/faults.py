@@ -6,21 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from largebatch_jax import workdir as wd
-
-
-class NonFiniteLossError(RuntimeError):
-    """An update was not finite (loss, gradient or updated state) and skip_nonfinite is
-    off; the message (`one_line_error`) names the step and the checkpoints kept."""
-
-    def __init__(self, step: int, epoch: float, message: str = ""):
-        super().__init__(message or f"non-finite loss, gradient or update at step {step}")
-        self.step, self.epoch = step, epoch
-
-
-class RunInterruptedError(Exception):
-    """SIGINT (Ctrl-C) stopped the run; the in-flight checkpoint save was finished first.
-    The message is one line naming the checkpoints kept."""
-
+from largebatch_jax.errors import NonFiniteLossError, RunInterruptedError, WorkdirError
 
 # The exit code of the processes that stop because others of the run did not answer
 # (sysexits' EX_TEMPFAIL: the checkpoints are good, a rerun resumes).
@@ -68,12 +54,12 @@ def one_line_error(
             f"{max(kept, default=0)}."
         )
     if wd.is_disk_full(error):
-        return wd.WorkdirError(
+        return WorkdirError(
             f"no space left on the device of --workdir={workdir}: {where}; free space "
             "and rerun the same command to resume."
         )
     if wd.is_read_only(error):
-        return wd.WorkdirError(
+        return WorkdirError(
             f"the file system of --workdir={workdir} became read-only (a disk error, or "
             f"remounted): {where}; rerun the same command once it is writable again."
         )
