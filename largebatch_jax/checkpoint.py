@@ -30,6 +30,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from largebatch_jax import private
+
 # Where restore moves the checkpoints it cannot use, beside the checkpoints folder.
 REJECTED = "rejected_checkpoints"
 # The key of the stamp in a checkpoint's host JSON: {"run": identity, "state_sha256": ...}.
@@ -106,8 +108,8 @@ class Checkpointer:
         )
         # That clean-up runs in a thread of orbax's; a run that stops at start-up (a config
         # refused) would exit under it, and the thread logs an error. Wait for it here
-        # (a private method of orbax 0.12, looked up defensively).
-        getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
+        # (a private method of orbax 0.12: `private.await_orbax_tmp_cleanup`).
+        private.await_orbax_tmp_cleanup(self.manager)
 
     def steps(self) -> list[int]:
         """The finished checkpoints on disk (a save in progress is a temporary directory)."""

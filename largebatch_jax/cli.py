@@ -5,7 +5,6 @@ main.py calls each part in its order."""
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import os
 import signal
@@ -13,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from largebatch_jax import errors, host
+from largebatch_jax import errors, host, private
 
 
 def stop_outside_the_loop() -> None:
@@ -164,7 +163,7 @@ def stop(error: object, code: int) -> NoReturn:
     which a save cut by the fault can leave waiting (orbax's signalling threads: up to
     its 300 s coordination timeout, on a file system gone read-only)."""
     errors.print_error(error)
-    atexit._run_exitfuncs()
+    private.run_exit_handlers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

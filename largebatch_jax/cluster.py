@@ -14,7 +14,6 @@ gives each process its share instead. Reading the environment imports no JAX.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import itertools
 import json
 import os
@@ -26,6 +25,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from largebatch_jax import private
 from largebatch_jax.errors import LaunchError
 
 MODES = ("auto", "on", "off")
@@ -311,13 +311,9 @@ def check_port_free(coordinator_address: str) -> None:
 
 def cuda_plugin_gpus() -> int | None:
     """How many GPUs JAX's CUDA plugin sees on this host, whatever JAX was told to use
-    (None: no CUDA plugin, or it cannot tell)."""
-    for plugin in ("jax_cuda13_plugin", "jax_cuda12_plugin"):
-        try:
-            return int(importlib.import_module(f"{plugin}._versions").cuda_device_count())
-        except Exception:  # not installed, or no driver
-            continue
-    return None
+    (None: no CUDA plugin, or it cannot tell). A private API of the plugin's
+    (`private.cuda_plugin_device_count`)."""
+    return private.cuda_plugin_device_count()
 
 
 def check_gpus_used(
@@ -348,10 +344,8 @@ def check_gpus_used(
 def kv_client() -> Any:
     """The coordination service's client of this process (its key-value store and
     barriers), or None in a run of one process. Through JAX's internals: the store has no
-    public API yet (jax 0.10)."""
-    from jax._src import distributed
-
-    return distributed.global_state.client
+    public API yet (`private.coordination_client`; a LaunchError where it is gone)."""
+    return private.coordination_client()
 
 
 _AGREEMENTS = itertools.count()  # each check's keys are new in the job's key-value store

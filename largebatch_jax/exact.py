@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from largebatch_jax import parallel
+from largebatch_jax import parallel, private
 
-try:  # Varying -> invariant: the gathered sum is typed as the same on every device
-    all_gather_invariant = jax.lax.all_gather_invariant
-except AttributeError:  # jax 0.10 has it, not yet exported
-    from jax._src.lax.parallel import all_gather_invariant
+# Varying -> invariant: the gathered sum is typed as the same on every device. The public
+# jax.lax.all_gather_invariant where jax exports it, else its private home (jax 0.10 and
+# 0.11 define it, not yet exported): `private.all_gather_invariant`.
+all_gather_invariant = private.all_gather_invariant()
 
 
 # The XLA:CPU intra-op pool size exact mode fixes (fix_cpu_threads): twice the 8 fake

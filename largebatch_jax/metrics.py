@@ -20,6 +20,8 @@ from typing import Any
 
 from absl import logging
 
+from largebatch_jax import private
+
 
 class JsonlWriter:
     """metrics.jsonl: one line per `write_scalars` call.
@@ -270,14 +272,10 @@ def format_eta(seconds: float) -> str:
 
 # Libraries whose INFO records say nothing about the run: orbax logs several per
 # checkpoint save, tfds two per dataset load, JAX's distributed start two per process,
-# JAX's profiler two per trace.
+# JAX's profiler two per trace (the project names the trace): JAX's by their source files,
+# private paths (`private.JAX_LOG_SOURCES`).
 # Their warnings and errors stay.
-_QUIET_PACKAGES = (
-    "/orbax/",
-    "/tensorflow_datasets/",
-    "/jax/_src/distributed.py",
-    "/jax/_src/profiler.py",  # two lines per trace written (the project names the trace)
-)
+_QUIET_PACKAGES = ("/orbax/", "/tensorflow_datasets/", *private.JAX_LOG_SOURCES)
 
 
 # Their warnings that say nothing to the user either: tfds scanning a data_dir (a dataset

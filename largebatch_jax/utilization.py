@@ -9,20 +9,15 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from largebatch_jax import private
 from largebatch_jax.aot.targets import Accelerator, accelerator_of
 
 
 def hlo_cost(module: Any) -> dict[str, float]:
     """XLA's HLO cost analysis of an HloModule, run by the CPU client (it analyses any
-    backend's HLO; the GPU compiler itself returns none)."""
-    from jax.extend.backend import get_backend
-
-    try:
-        from jax._src.lib import _jax  # the analysis has no public entry point
-
-        return dict(_jax.hlo_module_cost_analysis(get_backend("cpu"), module))
-    except (ImportError, AttributeError):  # another jax: no FLOPs or bytes, the rest stays
-        return {}
+    backend's HLO; the GPU compiler itself returns none): a private API
+    (`private.hlo_cost_analysis`; another jax: {}, no FLOPs or bytes, the rest stays)."""
+    return private.hlo_cost_analysis(module)
 
 
 def program_flops(lowered: Any, compiled: Any, platform: str) -> float:

@@ -160,6 +160,21 @@ def is_read_only(error: BaseException) -> bool:
     return _caused_by(error, (errno.EROFS,), ("Read-only file system",))
 
 
+def is_io_error(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised from, is an I/O error (EIO): a disk
+    error, which ext4 answers by remounting read-only (an fsync in flight then gets EIO,
+    the writes after it EROFS)."""
+    return _caused_by(error, (errno.EIO,), ("Input/output error",))
+
+
+def mounted_read_only(path: Path) -> bool:
+    """Whether the file system holding `path` is mounted read-only now."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def _caused_by(error: BaseException, errnos: tuple[int, ...], texts: tuple[str, ...]) -> bool:
     seen = set()
     stack = [error]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import os
 import threading
 import time
@@ -26,6 +25,7 @@ import grain
 import numpy as np
 from absl import flags
 
+from largebatch_jax import private
 from largebatch_jax.data import transforms
 from largebatch_jax.data.sources import DatasetSpec, steps_per_epoch
 from largebatch_jax.errors import UnreadableImageError
@@ -325,16 +325,6 @@ def _finish_unlinking() -> None:
     """grain unlinks the shared memory of each batch its worker processes made once the
     program drops the batch, in a thread pool of its own; wait for that pool, or the
     resource tracker reports the unlinks still queued at exit as leaked objects (grain
-    0.2; a private attribute, so looked up defensively). The next prefetching iterator
-    starts a new pool."""
-    try:
-        from grain._src.python.ipc.shared_memory_array import SharedMemoryArray
-    except ImportError:
-        return
-    pool = getattr(SharedMemoryArray, "_del_thread_pool", None)
-    if pool is None:
-        return
-    gc.collect()  # batches in reference cycles: dropped now, their unlinks queued
-    pool.close()
-    pool.join()
-    SharedMemoryArray._del_thread_pool = None
+    0.2; a private attribute: `private.finish_grain_unlinks`). The next prefetching
+    iterator starts a new pool."""
+    private.finish_grain_unlinks()
