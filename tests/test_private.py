@@ -292,8 +292,7 @@ def test_run_exit_handlers_falls_back_to_none_run(monkeypatch):
 
 # --- the package uses private APIs only through private.py
 
-# Uses still to move to private.py: (path, what). cli.py's stop() calls
-# atexit._run_exitfuncs until it calls private.run_exit_handlers.
+# Uses still to move to private.py: (path, what); none.
 PENDING: set[tuple[str, str]] = set()
 
 
