@@ -24,8 +24,8 @@ def get_config():
     c.log_every_steps = 10  # training-error curves with enough points at every kn
     c.checkpoint_every_steps = 250
     c.keep_checkpoints = 1
-    # The recorded runs (experiments/runs/fashion_sweep, RESULTS.md) were trained in fast
-    # mode with 1000-image evaluations: a rerun of the sweep resumes or skips them as they are.
+    # The recorded runs (experiments/results/fashion_sweep.tar.xz, RESULTS.md) were trained in
+    # fast mode with 1000-image evaluations: a rerun of the sweep skips them as they are.
     c.reduction = "fast"
     c.eval_batch_size = 1000
     return c

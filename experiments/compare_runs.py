@@ -3,10 +3,15 @@ step by step, and the training-loss gap epoch by epoch (the invariance experimen
 same kn on 8 devices and on 1 device with accumulation, against two seeds as the yardstick).
 
     python -m experiments.compare_runs RUN_A RUN_B
+    python -m experiments.compare_runs --archive=SWEEP_ARCHIVE NAME_A NAME_B
+
+RUN: a run's workdir; with --archive (e.g. experiments/results/fashion_sweep.tar.xz), a
+run's name in that sweep archive (experiments/sweep/archive.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -56,10 +61,27 @@ def loss_gap_by_epoch(a: str, b: str) -> list[tuple[int, float]]:
 
 
 def main() -> int:
-    if len(sys.argv) != 3:
+    args = sys.argv[1:]
+    archived = args[0].split("=", 1)[1] if args and args[0].startswith("--archive=") else None
+    args = args[1:] if archived else args
+    if len(args) != 2:
         print(__doc__, file=sys.stderr)
         return 2
-    a, b = sys.argv[1:]
+    with contextlib.ExitStack() as stack:
+        if archived:
+            from experiments.sweep import archive
+
+            folder = stack.enter_context(archive.opened(ROOT / archived))
+            missing = [r for r in args if not (folder / r).is_dir()]
+            if missing:
+                print(f"error: {', '.join(missing)}: no such run in {archived}", file=sys.stderr)
+                return 2
+            args = [str(folder / r) for r in args]
+        report(*args)
+    return 0
+
+
+def report(a: str, b: str) -> None:
     print(f"{Path(a).name} vs {Path(b).name}")
     for key, (n, absolute, relative) in compare(a, b).items():
         print(f"  {key:15s} {n:5d} points  max |diff| {absolute:.3g}  max relative {relative:.3g}")
@@ -70,7 +92,6 @@ def main() -> int:
     print(f"  paper metric    {results[0][metric]:.4f} vs {results[1][metric]:.4f}")
     same = results[0]["params_sha256"] == results[1]["params_sha256"]
     print(f"  final parameters bit-identical: {same}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 # The paper's findings at small scale on real Fashion-MNIST (experiments/RESULTS.md):
 # every sweep behind the results. Resumable: a finished run is
 # skipped, an interrupted one resumes, so rerunning this script continues where it stopped.
+# Runs train in experiments/runs/ (not committed); each finished run's record goes into
+# experiments/results/fashion_sweep.tar.xz, which the tables, figures and comparisons read:
+# with every run in it, this script trains nothing and rewrites the same files.
 #
 #   bash experiments/small_scale.sh            # all (about 1.5-2 hours on 2 CPU cores)
 #   bash experiments/small_scale.sh fig1       # one experiment
@@ -17,6 +20,7 @@ KN=1024
 SEEDS="--grid=seed=0,1"
 # 2 fake devices: on 2 cores 1.4x faster than 8, and the update depends only on kn and n.
 SWEEP="$PY -m experiments.sweep --config=configs/fashion_sweep.py --devices=2"
+COMPARE="$PY -m experiments.compare_runs --archive=experiments/results/fashion_sweep.tar.xz"
 only=${1:-all}
 want() { [[ $only == all || $only == "$1" ]]; }
 
@@ -68,9 +72,9 @@ if want invariance_exact; then  # reduction='exact': the same bits on 8, 2 and 1
   $SWEEP --name=invariance_exact --set=batch_size=1024 --set=reduction=exact \
     --set=eval_batch_size=1024 --grid=devices=8,2 --extra=devices=1,accum_steps=8 --curves \
     --title="kn=1024, reduction=exact: 8 devices, 2 devices, 1 device x 8 accum"
-  R=experiments/runs/fashion_sweep/batch_size=1024-eval_batch_size=1024-reduction=exact
-  for other in "$R" "${R%/*}/accum_steps=8-batch_size=1024-eval_batch_size=1024-reduction=exact-devices=1"; do
-    $PY -m experiments.compare_runs "$R-devices=8" "$other"
+  R=batch_size=1024-eval_batch_size=1024-reduction=exact
+  for other in "$R" "accum_steps=8-$R-devices=1"; do
+    $COMPARE "$R-devices=8" "$other"
   done | tee experiments/results/invariance_exact_compare.txt
 fi
 if want invariance; then  # the same kn=1024 run on 8 devices and on 1 device x 8 accumulation
@@ -78,10 +82,9 @@ if want invariance; then  # the same kn=1024 run on 8 devices and on 1 device x 
     --extra=devices=1,accum_steps=8 --curves --title="kn=1024: 8 devices vs 1 device x 8 accum"
   # 8 devices vs 1 x 8 accumulation, vs the 2-device run of fig1, and (the yardstick of
   # what "different" means) the 2-device run against its seed-1 twin.
-  R=experiments/runs/fashion_sweep
   for pair in "batch_size=1024-devices=8 accum_steps=8-batch_size=1024-devices=1" \
     "batch_size=1024-devices=8 batch_size=1024" "batch_size=1024 batch_size=1024-seed=1"; do
     set -- $pair
-    $PY -m experiments.compare_runs "$R/$1" "$R/$2"
+    $COMPARE "$1" "$2"
   done | tee experiments/results/invariance_compare.txt
 fi

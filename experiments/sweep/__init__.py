@@ -10,11 +10,15 @@ order) and `--set=FIELD=V` (every run) override config fields; values are parsed
 type of the field's default (tuples as `(a;b)` or `a;b`). A run is named by its overrides
 that differ from the config's defaults, so two sweeps asking for the same run share it
 (warmup settings do not count at kn <= base_batch_size, where rule 2 applies none).
-Runs go to RUNS/<config>/<run name>/ and are skipped once they have a result.json; an
-interrupted or preempted run resumes from its checkpoint, a failed one (e.g. diverged) is
-recorded in failed.json and not retried unless --retry_failed. Rerunning the same command therefore
-continues a sweep. Writes OUT/<name>.csv (one row per run), OUT/<name>.md (the paper's
-metric, mean +- std over seeds, per grid point) and, with --plot or --curves, OUT/<name>.png.
+Runs train in RUNS/<config>/<run name>/ (checkpoints included); an interrupted or preempted
+run resumes from its checkpoint, a failed one (e.g. diverged) is recorded in failed.json and
+not retried unless --retry_failed. A finished run's record (result.json or failed.json,
+metrics.jsonl, run_config.json, devices.json, log.txt) is packed into the archive,
+ARCHIVE = OUT/<config>.tar.xz unless --archive says otherwise (archive.py), and a run in
+the archive or with a result.json in its workdir is skipped. Rerunning the same command
+therefore continues a sweep. From the archive it writes OUT/<name>.csv (one row per run),
+OUT/<name>.md (the paper's metric, mean +- std over seeds, per grid point) and, with --plot
+or --curves, OUT/<name>.png; --collect_only trains nothing and needs no workdir.
 """
 
 from largebatch_jax import host

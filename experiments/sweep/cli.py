@@ -1,5 +1,6 @@
 """The sweep's command line (`python -m experiments.sweep`): parse, check every run, train
-the ones not done, write the tables and the figure."""
+the ones not done, pack the finished ones into the archive, write the tables and the
+figure from it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import experiments.sweep as package
+from experiments.sweep import archive
 from experiments.sweep.figures import plot
 from experiments.sweep.grid import (
     ROOT,
@@ -41,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", type=int, default=8, help="fake CPU devices (0: real ones)")
     parser.add_argument("--runs", default="experiments/runs", help="where run workdirs go")
     parser.add_argument("--out", default="experiments/results", help="where tables go")
+    parser.add_argument(
+        "--archive", default=None, help="the finished runs (default: OUT/<config name>.tar.xz)"
+    )
     parser.add_argument("--plot", default=None, help="grid field for the x axis of a figure")
     parser.add_argument("--curves", action="store_true", help="draw training-error curves")
     parser.add_argument("--title", default="")
@@ -66,15 +71,21 @@ def _plan(args, defaults, grid, fixed, extras, devices) -> tuple[list[str], list
     return fields, runs
 
 
-def _train(args, runs: list[dict], devices: int | None) -> list[str]:
-    """Train every run not done (or list them); returns the preempted ones."""
+def _train(args, runs: list[dict], devices: int | None, archived: Path) -> list[str]:
+    """Train every run not done (or list them); returns the preempted ones. `archived`:
+    the opened archive, whose runs count as done (or failed) like the workdirs'."""
     preempted: list[str] = []
     for i, run in enumerate(runs, 1):
         workdir = Path(run["workdir"])
+        kept = archived / workdir.name
         if (workdir / "result.json").exists():
             state = "done"
+        elif (kept / "result.json").exists():
+            state = "done (archived)"
         elif (workdir / "failed.json").exists() and not args.retry_failed:
             state = json.loads((workdir / "failed.json").read_text())["status"]
+        elif (kept / "failed.json").exists() and not args.retry_failed:
+            state = json.loads((kept / "failed.json").read_text())["status"] + " (archived)"
         elif args.dry_run or args.collect_only:
             state = "to run"
         else:
@@ -92,12 +103,10 @@ def _train(args, runs: list[dict], devices: int | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # The command that makes the table (not the flags that only read or list runs).
+    # The command that makes the table: not the flags that only read or list runs, nor
+    # those that say where the files are (the same runs make the same table anywhere).
     given = sys.argv[1:] if argv is None else argv
-    command = shlex.join(
-        ["python", "-m", "experiments.sweep"]
-        + [a for a in given if a not in ("--collect_only", "--dry_run")]
-    )
+    command = shlex.join(["python", "-m", "experiments.sweep", *_what(given)])
     try:
         defaults = load_config(args.config)
         grid = [parse_assignment(g, defaults, many=True) for g in args.grid]
@@ -111,24 +120,43 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     devices = args.devices or None
     fields, runs = _plan(args, defaults, grid, fixed, extras, devices)
-    began = time.time()
-    try:
-        for run in runs:
-            check_run(defaults, run["overrides"], devices, Path(run["workdir"]).name)
-        for run in runs:
-            check_devices(
-                Path(run["workdir"]),
-                run["overrides"].get("devices", devices),
-                record_it=not (args.dry_run or args.collect_only),
-            )
-    except SweepError as e:
-        errors.print_error(e)
-        return 2
-    preempted = _train(args, runs, devices)
-    if args.dry_run:
-        return 0
-    rows = [{**collect(r), "workdir": r["workdir"]} for r in runs]
     out = ROOT / args.out
+    path = ROOT / (args.archive or Path(args.out) / f"{Path(args.config).stem}.tar.xz")
+    began = time.time()
+    with archive.opened(path) as archived:
+        try:
+            for run in runs:
+                check_run(defaults, run["overrides"], devices, Path(run["workdir"]).name)
+            for run in runs:
+                workdir, kept = Path(run["workdir"]), archived / Path(run["workdir"]).name
+                run_devices = run["overrides"].get("devices", devices)
+                check_devices(kept, run_devices, record_it=False, archive=path)
+                check_devices(
+                    workdir,
+                    run_devices,
+                    record_it=not (args.dry_run or args.collect_only or archive.finished(kept)),
+                )
+        except SweepError as e:
+            errors.print_error(e)
+            return 2
+        preempted = _train(args, runs, devices, archived)
+        if args.dry_run:
+            return 0
+        for run in runs:
+            if archive.finished(Path(run["workdir"])):
+                archive.add(archived, Path(run["workdir"]))
+        if archive.save(path, archived):
+            print(f"archive: {path}")
+        return _report(args, defaults, runs, fields, archived, out, command, began, preempted)
+
+
+def _report(args, defaults, runs, fields, archived, out, command, began, preempted) -> int:
+    """The tables and the figure, from the archive (a run not in it: its workdir)."""
+    rows = []
+    for run in runs:
+        kept = archived / Path(run["workdir"]).name
+        files = kept if kept.exists() else Path(run["workdir"])
+        rows.append({**collect(run, files), "files": str(files)})
     write_tables(args.name, out, rows, fields, command)
     print(f"tables: {out / args.name}.md, .csv ({time.time() - began:.0f} s)")
     if args.plot or args.curves:
@@ -146,3 +174,18 @@ def main(argv: list[str] | None = None) -> int:
     # A diverged run is a result (Table 1's "no warmup" can diverge); a crash is not, nor
     # is a run still to finish (preempted: the same command resumes it).
     return 1 if preempted or any(r["status"] == "failed" for r in rows) else 0
+
+
+def _what(given: list[str]) -> list[str]:
+    """The arguments without --collect_only, --dry_run, --runs, --out and --archive."""
+    kept, skip = [], False
+    for arg in given:
+        if skip:
+            skip = False
+        elif arg in ("--runs", "--out", "--archive"):
+            skip = True  # its value is the next argument
+        elif arg not in ("--collect_only", "--dry_run") and not arg.startswith(
+            ("--runs=", "--out=", "--archive=")
+        ):
+            kept.append(arg)
+    return kept

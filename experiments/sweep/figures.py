@@ -75,7 +75,7 @@ def plot(
             done = [r for r in members if r["status"] == "done"]
             if not done:
                 continue
-            train = [r for r in read_metrics(done[0]["workdir"]) if "train_error" in r]
+            train = [r for r in read_metrics(done[0]["files"]) if "train_error" in r]
             epochs = np.array([r["epoch"] for r in train])
             errors = np.array([100 * r["train_error"] for r in train])
             width = max(1, len(errors) // 30)  # smoothed, as the paper's curves

@@ -33,15 +33,20 @@ def loss_spike(records: list[dict], epochs: float = SPIKE_EPOCHS) -> float | Non
     return float(rise)
 
 
-def check_devices(workdir: Path, devices: int | None, record_it: bool = True) -> None:
-    """A workdir trains on one device count: record it, refuse another."""
+def check_devices(
+    workdir: Path, devices: int | None, record_it: bool = True, archive: Path | None = None
+) -> None:
+    """A workdir trains on one device count: record it, refuse another. With `archive`,
+    `workdir` is that archive's copy of the run (only checked)."""
     record = workdir / "devices.json"
     if record.exists():
         had = json.loads(record.read_text())["devices"]
         if had != devices:
+            where = f"run {workdir.name} of {archive}" if archive else str(workdir)
             raise SweepError(
-                f"{workdir} was trained on devices={had}, this sweep asks for {devices}: "
-                f"rerun with --devices={had or 0} or use another --runs folder."
+                f"{where} was trained on devices={had}, this sweep asks for {devices}: "
+                f"rerun with --devices={had or 0} or use another "
+                f"{'--archive' if archive else '--runs folder'}."
             )
     elif record_it:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -81,15 +86,15 @@ def run_one(config_path: str, workdir: Path, overrides: dict[str, Any], devices:
     return status
 
 
-def collect(run: dict) -> dict:
-    """One table row from a run's workdir."""
-    workdir = Path(run["workdir"])
-    row = {**run["values"], "run": workdir.name, "status": "pending"}
-    if (workdir / "metrics.jsonl").exists():  # a diverged run's too: up to its last log
-        row["loss_spike"] = loss_spike(read_metrics(workdir))
-    if (workdir / "result.json").exists():
-        result = json.loads((workdir / "result.json").read_text())
-        epochs = [r for r in read_metrics(workdir) if "epoch_train_error" in r]
+def collect(run: dict, files: Path | None = None) -> dict:
+    """One table row from a run's files: its archived record (`files`) or its workdir."""
+    folder = Path(run["workdir"]) if files is None else files
+    row = {**run["values"], "run": Path(run["workdir"]).name, "status": "pending"}
+    if (folder / "metrics.jsonl").exists():  # a diverged run's too: up to its last log
+        row["loss_spike"] = loss_spike(read_metrics(folder))
+    if (folder / "result.json").exists():
+        result = json.loads((folder / "result.json").read_text())
+        epochs = [r for r in read_metrics(folder) if "epoch_train_error" in r]
         row.update(
             status="done",
             error=result[METRIC],
@@ -100,6 +105,6 @@ def collect(run: dict) -> dict:
             # Training time of every session (older results have only the last one's).
             seconds=result.get("train_seconds", result.get("train_seconds_this_session")),
         )
-    elif (workdir / "failed.json").exists():
-        row["status"] = json.loads((workdir / "failed.json").read_text())["status"]
+    elif (folder / "failed.json").exists():
+        row["status"] = json.loads((folder / "failed.json").read_text())["status"]
     return row

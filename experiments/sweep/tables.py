@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import re
 from pathlib import Path
 
 import numpy as np
@@ -139,5 +140,12 @@ def write_tables(name: str, out: Path, rows: list[dict], fields: list[str], comm
             )
             + " |"
         )
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    text, path = "\n".join(lines) + "\n", out / f"{name}.md"
+    # The same table again (e.g. --collect_only) keeps the date it was first written on.
+    if not (path.exists() and _undated(path.read_text()) == _undated(text)):
+        path.write_text(text)
     return grouped
+
+
+def _undated(text: str) -> str:
+    return re.sub(r"^Written \d{4}-\d{2}-\d{2};", "Written;", text, count=1, flags=re.M)
