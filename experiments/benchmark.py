@@ -143,13 +143,15 @@ def compile_and_time(fn, state, batch, steps: int) -> dict:
 
 
 def planned_memory(compiled) -> int:
-    """XLA's plan of a program's memory per device (arguments, outputs not aliased to a
-    donated argument, temporaries); for the exact mode's chain, its largest program's (a
-    lower bound: `largebatch_jax.aot` adds what the caller holds between programs)."""
-    programs = getattr(compiled, "programs", None)
-    if programs is not None:
-        return max(planned_memory(p.program) for p in programs)
-    memory = compiled.memory_analysis()
+    """XLA's plan of a compiled step's memory per device (arguments, outputs not aliased
+    to a donated argument, temporaries): its largest program's (for the exact mode's
+    chain a lower bound: `largebatch_jax.aot` adds what the caller holds between
+    programs)."""
+    return max(_program_memory(p.program) for p in compiled.programs)
+
+
+def _program_memory(program) -> int:
+    memory = program.memory_analysis()
     if memory is None:
         return 0
     return (

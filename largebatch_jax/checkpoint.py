@@ -23,6 +23,7 @@ import json
 import logging as pylogging
 import os
 import shutil
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +67,14 @@ class Restored:
 
 class _OrbaxErrorsInOneLine(pylogging.Filter):
     """Orbax logs a failure of its background save threads with the whole traceback,
-    often dozens of them for one full disk; the same error reaches the main thread (at
-    the next save or the final wait), which reports or raises it. Its log keeps one line
-    per failure: the message and the exception's first line."""
+    often dozens of them for one full disk, and asyncio logs the failed tasks of a cut
+    save that nobody awaited ("Task exception was never retrieved") with theirs; the
+    same error reaches the main thread (at the next save or the final wait), which
+    reports or raises it. Their log keeps one line per failure: the message and the
+    exception's first line."""
 
     def filter(self, record: pylogging.LogRecord) -> bool:
-        if record.exc_info and "/orbax/" in record.pathname:
+        if record.exc_info and _from_orbax(record):
             error = record.exc_info[1]
             first = (str(error).splitlines() or [""])[0]
             record.msg = f"{record.getMessage()} ({type(error).__name__}: {first})"
@@ -79,10 +82,19 @@ class _OrbaxErrorsInOneLine(pylogging.Filter):
         return True
 
 
+def _from_orbax(record: pylogging.LogRecord) -> bool:
+    """Logged by orbax, or about an exception raised inside it."""
+    if "/orbax/" in record.pathname:
+        return True
+    trace = record.exc_info[2] if record.exc_info else None
+    return any("/orbax/" in frame.filename for frame in traceback.extract_tb(trace))
+
+
 def _log_orbax_errors_in_one_line() -> None:
-    absl_logger = pylogging.getLogger("absl")
-    if not any(isinstance(f, _OrbaxErrorsInOneLine) for f in absl_logger.filters):
-        absl_logger.addFilter(_OrbaxErrorsInOneLine())
+    for name in ("absl", "asyncio"):
+        logger = pylogging.getLogger(name)
+        if not any(isinstance(f, _OrbaxErrorsInOneLine) for f in logger.filters):
+            logger.addFilter(_OrbaxErrorsInOneLine())
 
 
 class Checkpointer:

@@ -131,7 +131,7 @@ def filtered(
     rest is swallowed and, at the end, one line says it: from process 0 when the service
     names the processes it lost, from process 1 when the service itself (process 0) is
     gone, so that one process of the run says it; where the job was paused (`paused()`
-    seconds, against the `heartbeat` timeout), the line says so."""
+    seconds, against the `heartbeat` timeout), process 0 says so."""
     aborting, listing, lost = False, False, []
     for line in lines:
         if aborting:
@@ -147,9 +147,14 @@ def filtered(
             continue
         if drop is None or not drop.search(line.decode(errors="replace")):
             yield line
-    if aborting and rank == (0 if lost else 1):
-        line = abort_line(sorted(set(lost)), checkpoints, paused(), heartbeat)
-        yield (line + "\n").encode()
+    if not aborting:
+        return
+    pause = paused()
+    # A whole job paused: process 0, whose service took them for dead, is there to say
+    # it (the others see the service's list, or not, by how their resumes fell).
+    speaker = 0 if lost or was_paused(pause, heartbeat) else 1
+    if rank == speaker:
+        yield (abort_line(sorted(set(lost)), checkpoints, pause, heartbeat) + "\n").encode()
 
 
 def start(fd: int, *options: str) -> None:

@@ -124,6 +124,13 @@ def test_a_whole_job_paused_past_its_heartbeat_is_named_as_a_pause(tmp_path):
     )
     out = b"".join(console.filtered(lines, None, 0, tmp_path, lambda: 20.0, 60)).decode()
     assert "process 1 of the run stopped sending heartbeats" in out.splitlines()[-1]
+    # Process 1 resumed after the service aborted sees no list: in a pause, process 0
+    # alone says it (both said it, 1 run in 3 with staggered resumes).
+    gone = COORDINATOR_GONE.encode().splitlines(keepends=True)
+    out = b"".join(console.filtered(gone, None, 1, tmp_path, lambda: 91.0, 60)).decode()
+    assert out == LOG
+    out = b"".join(console.filtered(gone, None, 0, tmp_path, lambda: 91.0, 60)).decode()
+    assert out.splitlines()[-1].startswith("error: this job was paused for 91 s")
 
 
 def test_the_pause_watch_measures_a_stop_of_its_process():

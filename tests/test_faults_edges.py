@@ -323,6 +323,38 @@ def test_an_io_error_of_the_disk_is_one_line(tmp_path, monkeypatch, read_only_no
     assert expected in str(line) and "checkpoints at steps [8, 16]" in str(line)
 
 
+def test_orbax_failures_logged_by_asyncio_are_one_line(capsys):
+    """A save cut by a read-only file system leaves orbax's asyncio tasks failed and
+    never awaited: asyncio logged "Task exception was never retrieved" with the whole
+    traceback (1 CI run of the read-only test in about 10). One line now, as orbax's own."""
+    import logging
+
+    from largebatch_jax import checkpoint
+
+    checkpoint._log_orbax_errors_in_one_line()
+    orbax_code = compile(
+        "def mkdir():\n    raise OSError(30, 'Read-only file system')\n",
+        "/site-packages/orbax/checkpoint/_src/path/async_path.py",
+        "exec",
+    )
+    scope: dict = {}
+    exec(orbax_code, scope)
+    logger = logging.getLogger("asyncio")
+    handler = logging.StreamHandler()
+    logger.addHandler(handler)
+    try:
+        try:
+            scope["mkdir"]()
+        except OSError:
+            logger.error("Task exception was never retrieved", exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert err == (
+        "Task exception was never retrieved (OSError: [Errno 30] Read-only file system)\n"
+    ), err
+
+
 def test_checkpoints_on_another_file_system_are_set_aside_across_it(tmp_path, fashion_mnist_dir):
     """checkpoints/ a link to a folder on another file system (/dev/shm here): setting an
     unreadable checkpoint aside renamed it across file systems, EXDEV on every rerun, so
@@ -666,7 +698,11 @@ def test_a_whole_job_paused_past_its_heartbeat_says_so_in_one_line(
     for dead and aborts them, which printed 176 lines and no word of a pause. Now one
     line names the pause and the flag to raise; the checkpoints kept are the
     uninterrupted run's (a rerun resumes from them: the heartbeat tests of
-    test_multihost.py)."""
+    test_multihost.py). Resumed all at once, JAX's heartbeat check and the processes'
+    next heartbeats race: in 1 CI run of about 6 the service took the new heartbeats
+    first and the job went on; it must then end as the uninterrupted run does, with no
+    error line. (Resuming process 1 a second later instead, as a suspended job's nodes
+    may come back, let the local launcher see a stopped process and exit 139.)"""
     # 40 epochs, so that the pause surely comes mid-run; its first 64 steps are the
     # uninterrupted run's (the same decays, at epochs 2 and 3).
     flags = (*LONGER, "--config.num_epochs=40.0", "--heartbeat_timeout_seconds=6")
@@ -678,10 +714,16 @@ def test_a_whole_job_paused_past_its_heartbeat_says_so_in_one_line(
     time.sleep(15)
     for pid in job:
         os.kill(pid, signal.SIGCONT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 134, err[-3000:]  # 128 + SIGABRT: JAX aborts the processes
+    _, err = proc.communicate(timeout=180)
     lines = [x.removeprefix("[p0] ").removeprefix("[p1] ") for x in err.splitlines()]
-    (line,) = error_lines("\n".join(lines))
+    found = error_lines("\n".join(lines))
+    if proc.returncode == 0:  # the service took the resumed heartbeats in time
+        assert not found and "Traceback" not in err, err[-3000:]
+        assert result(tmp_path)["steps"] == 640
+        return
+    assert proc.returncode == 134, err[-3000:]  # 128 + SIGABRT: JAX aborts the processes
+    assert len(found) == 1, "\n".join(found)
+    (line,) = found
     assert re.match(r"error: this job was paused for 1[4-6] s \(", line), line
     assert "(--heartbeat_timeout_seconds=6)" in line and "rerun the same command" in line
     assert not [x for x in lines if "Traceback" in x or "Fatal Python" in x or "@ " in x]
