@@ -11,6 +11,7 @@ docs/design.md table "The run's derived quantities" names each and where it is c
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +43,11 @@ class Facts:
     dataset: sources.DatasetSpec | None = None
     environ: Mapping[str, str] | None = None
 
+    @property
+    def local(self) -> int:
+        """This process's devices (all of them where not given)."""
+        return self.devices if self.local_devices is None else self.local_devices
+
     @classmethod
     def of_this_process(
         cls,
@@ -50,8 +56,6 @@ class Facts:
         dataset: sources.DatasetSpec | None = None,
     ) -> Facts:
         """The devices, processes, platform and environment of this process's run."""
-        import os
-
         import jax
 
         return cls(
@@ -206,7 +210,6 @@ def resolve(config: Any, facts: Facts) -> Plan:
     processes and XLA:CPU's threads (`check`), the data (`_check_data`). Raises
     ConfigError with one line."""
     micro = check(config, facts)
-    local = facts.local_devices if facts.local_devices is not None else facts.devices
     train_images = facts.train_images
     if train_images is None:
         train_images = known_train_images(config)
@@ -217,7 +220,7 @@ def resolve(config: Any, facts: Facts) -> Plan:
         n=config.bn_group_size,
         k=config.batch_size // config.bn_group_size,
         devices=facts.devices,
-        local_devices=local,
+        local_devices=facts.local,
         processes=facts.processes,
         platform=facts.platform,
         accum_steps=config.accum_steps,
@@ -245,9 +248,8 @@ def check(config: Any, facts: Facts) -> int:
     """The checks of `resolve` that need no data (main.py makes them before it touches
     the workdir); returns the per-device micro-batch."""
     micro = check_layout(config, facts.devices, facts.platform)
-    local = facts.local_devices if facts.local_devices is not None else facts.devices
     if config.reduction == "exact" and facts.environ is not None:
-        error = exact.check_cpu_threads(facts.platform, local, facts.environ)
+        error = exact.check_cpu_threads(facts.platform, facts.local, facts.environ)
         if error:
             raise ConfigError(error)
     if facts.processes <= 0 or config.batch_size % facts.processes:
