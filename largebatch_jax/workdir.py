@@ -167,14 +167,6 @@ def is_io_error(error: BaseException) -> bool:
     return _caused_by(error, (errno.EIO,), ("Input/output error",))
 
 
-def mounted_read_only(path: Path) -> bool:
-    """Whether the file system holding `path` is mounted read-only now."""
-    try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
 def _caused_by(error: BaseException, errnos: tuple[int, ...], texts: tuple[str, ...]) -> bool:
     seen = set()
     stack = [error]

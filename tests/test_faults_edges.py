@@ -301,26 +301,25 @@ def test_a_file_system_gone_read_only_mid_run_is_one_line(tmp_path, fashion_mnis
         _kept_are_the_uninterrupted_runs(workdir, straight, at_least=8)
 
 
-@pytest.mark.parametrize("read_only_now", [True, False])
-def test_an_io_error_of_the_disk_is_one_line(tmp_path, monkeypatch, read_only_now):
-    """An fsync in flight when ext4 takes its disk error gets EIO, not EROFS (1 CI run of
-    the test above in about 20): with the file system now read-only that is the same
-    fault, otherwise a disk error of its own; one line either way, exit 2."""
+def test_an_io_error_of_the_disk_is_one_line(tmp_path):
+    """An fsync in flight when ext4 takes its disk error gets EIO, not EROFS, and the
+    remount may not show yet (2 CI runs of the test above in about 20): the same fault,
+    the same one line, exit 2."""
     import errno
 
-    from largebatch_jax import workdir as wd
     from largebatch_jax.errors import BadInputError
     from largebatch_jax.train.faults import one_line_error
 
-    monkeypatch.setattr(wd, "mounted_read_only", lambda path: read_only_now)
     cut = OSError(errno.EIO, "Input/output error")
     try:
         raise RuntimeError("the save failed") from cut
     except RuntimeError as e:
         line = one_line_error(e, [8, 16], tmp_path / "checkpoints", tmp_path)
     assert isinstance(line, BadInputError) and line.exit_code == 2
-    expected = "became read-only" if read_only_now else "failed with an I/O error (a disk error)"
-    assert expected in str(line) and "checkpoints at steps [8, 16]" in str(line)
+    assert f"the file system of --workdir={tmp_path} became read-only or failed a write" in str(
+        line
+    )
+    assert "checkpoints at steps [8, 16]" in str(line)
 
 
 def test_orbax_failures_logged_by_asyncio_are_one_line(capsys):

@@ -58,15 +58,10 @@ def one_line_error(
             f"no space left on the device of --workdir={workdir}: {where}; free space "
             "and rerun the same command to resume."
         )
-    gone_read_only = wd.is_io_error(error) and wd.mounted_read_only(workdir)
-    if wd.is_read_only(error) or gone_read_only:
+    if wd.is_read_only(error) or wd.is_io_error(error):
         return WorkdirError(
-            f"the file system of --workdir={workdir} became read-only (a disk error, or "
-            f"remounted): {where}; rerun the same command once it is writable again."
-        )
-    if wd.is_io_error(error):
-        return WorkdirError(
-            f"a write to --workdir={workdir} failed with an I/O error (a disk error): {where}; "
-            "check the disk, then rerun the same command to resume."
+            f"the file system of --workdir={workdir} became read-only or failed a write (a "
+            f"disk error, or remounted): {where}; rerun the same command once it is writable "
+            "again."
         )
     return None
